@@ -1,0 +1,1 @@
+"""Checkpoints -> parameter pytrees (HF safetensors directories; packaged GGUF defaults)."""

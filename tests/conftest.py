@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written to disk, and the transformers reference.
+
+Every reference runs in PyTorch float32 with eager attention and the hub switched off.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def tiny_config(model_type: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"tiny-{model_type}.yaml").read_text())
+
+
+def tiny_hf_model(model_type: str, tie: bool, seed: int = 0, **overrides):
+    """A random transformers model of `model_type` with norm weights perturbed away from 1 and
+    non-zero biases, so a mistake in any of them changes the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(tiny_config(model_type), tie_word_embeddings=tie, **overrides)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def save_hf(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Factory: (model_type, tie, **overrides) -> (checkpoint dir, torch model); cached per arguments."""
+    made = {}
+
+    def make(model_type: str = "llama", tie: bool = False, **overrides):
+        key = (model_type, tie, repr(sorted(overrides.items())))
+        if key not in made:
+            m = tiny_hf_model(model_type, tie, **overrides)
+            d = tmp_path_factory.mktemp(f"{model_type}_{'tied' if tie else 'untied'}")
+            made[key] = (save_hf(m, d), m)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default model (converted from its packaged GGUF on first use)."""
+    import spd_jax
+
+    return spd_jax.load_model("smollm2")
