@@ -1,0 +1,14 @@
+"""spd-jax: Speculative Pipeline Decoding for Qwen-family language models in JAX.
+
+Layout: `models/` model math, `convert/` checkpoints -> params, `decode/` sampling and decode loops,
+`api` the public entry points re-exported here.
+"""
+
+from spd_jax.api import GenerateResult, Model, generate, load_model
+from spd_jax.config import ConfigError, ModelConfig
+from spd_jax.convert.hf import CheckpointError
+from spd_jax.decode.sampling import SamplingParams
+
+__all__ = ["CheckpointError", "ConfigError", "GenerateResult", "Model", "ModelConfig", "SamplingParams",
+           "generate", "load_model"]
+__version__ = "0.1.0"

@@ -1,0 +1,219 @@
+"""Public API: `load_model`, `Model`, `generate`.
+
+Thin over the library: resolving a model name, holding config/params/tokenizer together, validating
+requests and timing them. The math lives in `spd_jax.models`, the loops in `spd_jax.decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spd_jax.config import ModelConfig
+from spd_jax.convert import defaults
+from spd_jax.convert.hf import load_hf_checkpoint
+from spd_jax.decode import ar
+from spd_jax.decode.sampling import SamplingParams
+from spd_jax.models import decoder
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: dict
+    tokenizer: Any | None
+    path: Path
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    def logits(self, token_ids) -> np.ndarray:
+        """token_ids [B, T] ints -> float32 logits [B, T, V] (one full causal forward from position 0)."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"token_ids must be a non-empty [B, T] array, got shape {ids.shape}")
+        self._check_ids(ids)
+        cache = decoder.init_cache(self.config, ids.shape[0], ids.shape[1], self.dtype)
+        out, _ = _forward_jit(self.params, jnp.asarray(ids, jnp.int32), cache, cfg=self.config)
+        return np.asarray(out)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), "
+                             f"got min {ids.min()} max {ids.max()}")
+
+    def encode(self, text: str, chat: bool | None = None) -> list[int]:
+        """Text -> prompt ids; with chat (default: when the tokenizer has a template) as one user turn."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer files; pass token ids instead of text")
+        if chat is None:
+            chat = self.has_chat_template
+        if chat:
+            if not self.has_chat_template:
+                raise ValueError(f"the tokenizer at {self.path} has no chat template; use --no-chat")
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_jit(params, tokens, cache, *, cfg):
+    return decoder.forward(params, tokens, cache, jnp.int32(0), cfg)
+
+
+def resolve_checkpoint(name_or_path: str | Path) -> Path:
+    """A known default name (converted and cached on first use) or an HF checkpoint directory."""
+    s = str(name_or_path)
+    if defaults.canonical_name(s) is not None:
+        return defaults.ensure_checkpoint(s)
+    p = Path(s).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model {s!r} is neither a known default ({', '.join(defaults.DEFAULT_MODELS)}) "
+                                "nor an existing checkpoint directory")
+    return p
+
+
+def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "float32") -> Model:
+    """Load a model: config, params (on the default device) and tokenizer when the directory has one."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = resolve_checkpoint(name_or_path)
+    cfg, params = load_hf_checkpoint(path, _DTYPES[dtype])
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer  # local files only; never remote code
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    return Model(cfg, params, tokenizer, path)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    token_ids: list[int]  # generated tokens only (the EOS token included when it stopped there)
+    stats: dict
+
+
+# AOT-compiled executables, keyed by shapes and compile-time switches, so compile time is measured
+# apart from run time and never counted in tokens/s.
+_compiled: dict[tuple, Any] = {}
+
+
+def _compiled_call(fn, key: tuple, args: tuple, kwargs: dict) -> tuple[Any, float]:
+    exe = _compiled.get(key)
+    t = 0.0
+    if exe is None:
+        t0 = time.perf_counter()
+        exe = fn.lower(*args, **kwargs).compile()
+        t = time.perf_counter() - t0
+        _compiled[key] = exe
+    return exe, t
+
+
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, *, method: str = "ar",
+             stop_at_eos: bool = True, max_len: int | None = None,
+             stream: Callable[[int], None] | None = None) -> GenerateResult:
+    """Generate a continuation of one prompt.
+
+    prompt_ids: the prompt's token ids. max_len: the context limit (default: the model's
+    max_position_embeddings); the prompt plus max_new_tokens must fit in it. stream: called with each
+    token id as it commits (a host callback from inside the on-device loop).
+    Returns the generated ids and stats (tokens, timings and what they include).
+    """
+    if method != "ar":
+        raise ValueError(f"unknown method {method!r}: available: 'ar'")
+    sp = SamplingParams(temperature, top_k, top_p, seed)
+    cfg = model.config
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+    model._check_ids(prompt)
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    limit = max_len or cfg.max_position_embeddings
+    P = int(prompt.size)
+    if P + max_new_tokens > limit:
+        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {P + max_new_tokens} "
+                         f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
+                         "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
+
+    p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
+    cache_len = ar.round_up(max(P + max_new_tokens, p_pad), ar.CACHE_BUCKET)
+    out_len = ar.round_up(max_new_tokens, ar.OUT_BUCKET)
+    prompt_arr = jnp.zeros((1, p_pad), jnp.int32).at[0, :P].set(jnp.asarray(prompt, jnp.int32))
+    eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
+    eos_arr = jnp.asarray(eos if eos.size else np.array([-1], np.int32))
+    rt = sp.runtime()
+    statics = dict(cfg=cfg, greedy=sp.greedy, filtered=sp.filtered)
+    cache = decoder.init_cache(cfg, 1, cache_len, model.dtype)
+    plen = jnp.int32(P)
+
+    pre_args = (model.params, prompt_arr, plen, cache, rt)
+    pre, c1 = _compiled_call(ar.prefill, ("prefill", p_pad, cache_len, model.dtype, *statics.items()),
+                             pre_args, statics)
+    loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
+    # Shapes only, for lowering: the real cache comes out of prefill (donated in, donated on).
+    loop_args = (model.params, jnp.int32(0), plen, cache, jnp.int32(max_new_tokens), eos_arr, rt)
+    loop, c2 = _compiled_call(ar.decode_loop, ("loop", cache_len, eos_arr.shape, model.dtype,
+                                               *loop_statics.items()), loop_args, loop_statics)
+
+    t0 = time.perf_counter()
+    first, cache = pre(*pre_args)
+    first.block_until_ready()
+    t1 = time.perf_counter()
+    if stream is not None:
+        ar.set_stream_sink(lambda tok, i: stream(tok))
+    try:
+        out, n, cache = loop(model.params, first, plen, cache, jnp.int32(max_new_tokens), eos_arr, rt)
+        n = int(n)  # waits for the loop
+        tokens = np.asarray(out[:n]).tolist()
+    finally:
+        ar.set_stream_sink(None)
+    t2 = time.perf_counter()
+
+    decode_s = t2 - t1
+    stats = dict(
+        method="ar", tokens=n, prompt_tokens=P,
+        prefill_s=t1 - t0, decode_s=decode_s, wall_s=t2 - t0,
+        tokens_per_s=n / (t2 - t0),
+        decode_tokens_per_s=(n - 1) / decode_s if n > 1 else float("nan"),
+        compile_s=c1 + c2,
+        stopped_at_eos=bool(n and tokens[-1] in set(eos.tolist())),
+        backend=jax.default_backend(),
+        timing_includes=("device compute, host dispatch and the device-to-host copy of the result"
+                         + (", plus one host callback per token for streaming" if stream else "")
+                         + "; excludes compilation (compile_s, ahead of time, cached per shape bucket). "
+                           "decode_tokens_per_s counts tokens after the first over the decode loop alone"),
+    )
+    return GenerateResult(tokens, stats)

@@ -1,0 +1,1 @@
+"""Sampling rules and decode loops over the model functions."""

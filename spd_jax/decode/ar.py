@@ -1,0 +1,90 @@
+"""Plain autoregressive decoding: prefill, then a decode loop that runs entirely on device.
+
+The loop is a `lax.while_loop` inside one jitted program (no host round trip per token unless a
+stream sink is attached); prompt, cache and output lengths are padded to buckets so a new prompt or
+length rarely recompiles; the KV cache is donated so it is updated in place. This is the reference
+every speculative path is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+
+from spd_jax.config import ModelConfig
+from spd_jax.decode.sampling import choose
+from spd_jax.models import decoder
+from spd_jax.models.decoder import KVCache
+
+PROMPT_BUCKET = 64
+CACHE_BUCKET = 128
+OUT_BUCKET = 64
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# A stream sink is host state; the compiled loop calls this trampoline so that attaching a different
+# sink does not change (and recompile) the program.
+_stream_sink = None
+
+
+def set_stream_sink(fn) -> None:
+    global _stream_sink
+    _stream_sink = fn
+
+
+def _emit(token, index):
+    if _stream_sink is not None:
+        _stream_sink(int(token), int(index))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered"), donate_argnames=("cache",))
+def prefill(params, prompt: jax.Array, prompt_len: jax.Array, cache: KVCache, sp: dict, *,
+            cfg: ModelConfig, greedy: bool, filtered: bool):
+    """prompt [1, P_pad] (valid up to prompt_len) -> (first token [], cache).
+
+    Padding positions write garbage keys past prompt_len; decode overwrites them before they are
+    ever attended to, since attention only reaches positions <= the query's own.
+    """
+    x, cache, _ = decoder.run_layers(params["layers"], decoder.embed(params, prompt), cache,
+                                     jnp.int32(0), cfg)
+    last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)  # [1, 1, H]
+    logits = decoder.lm_logits(params, last, cfg)[0, 0]
+    return choose(logits, prompt_len, sp, greedy, filtered), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "out_len", "stream"),
+                   donate_argnames=("cache",))
+def decode_loop(params, first: jax.Array, prompt_len: jax.Array, cache: KVCache, max_new: jax.Array,
+                eos_ids: jax.Array, sp: dict, *, cfg: ModelConfig, greedy: bool, filtered: bool,
+                out_len: int, stream: bool):
+    """Generate up to max_new tokens (first included) -> (tokens [out_len], count, cache).
+
+    Token i (0-based) sits at position prompt_len + i; stops after an EOS token (which is kept).
+    """
+    out = jnp.zeros((out_len,), jnp.int32).at[0].set(first)
+    done0 = jnp.any(first == eos_ids)
+    if stream:
+        io_callback(_emit, None, first, jnp.int32(0), ordered=True)
+
+    def cond(c):
+        i, _, _, _, done = c
+        return (i < max_new) & ~done
+
+    def body(c):
+        i, tok, cache, out, _ = c
+        pos = prompt_len + i - 1  # position of `tok`
+        logits, cache = decoder.forward(params, tok.reshape(1, 1), cache, pos, cfg)
+        nxt = choose(logits[0, 0], pos + 1, sp, greedy, filtered)
+        out = jax.lax.dynamic_update_index_in_dim(out, nxt, i, 0)
+        if stream:
+            io_callback(_emit, None, nxt, i, ordered=True)
+        return i + 1, nxt, cache, out, jnp.any(nxt == eos_ids)
+
+    n, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, cache, out, done0))
+    return out, n, cache

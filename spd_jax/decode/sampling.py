@@ -1,0 +1,84 @@
+"""Sampling rules, separate from the network: validation, logit warping and token choice.
+
+Temperature, top-k and top-p are runtime values (no recompilation when they change); only whether
+decoding is greedy and whether a top-k/top-p filter is active are compile-time switches. The random
+key of a token is derived from (seed, position), never from loop state, so every drafter and every
+device that must agree on a draw gets the same key for the same position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # None or 0 = off
+    top_p: float | None = None  # None or 1.0 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be a positive integer (or None/0 for no top-k), got {self.top_k!r}")
+        p = self.top_p
+        if p is not None and (not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (or None for no top-p), got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a top-k / top-p filter is active (a compile-time switch: it sorts the vocabulary)."""
+        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1.0)
+
+    def runtime(self) -> dict[str, jax.Array]:
+        """The values that go into the compiled loop as data."""
+        return dict(temperature=jnp.float32(self.temperature or 1.0),
+                    top_k=jnp.int32(self.top_k or 0),
+                    top_p=jnp.float32(self.top_p if self.top_p is not None else 1.0),
+                    seed=jnp.uint32(self.seed))
+
+
+def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                filtered: bool) -> jax.Array:
+    """logits [..., V] -> warped logits [..., V] (float32, -inf outside the kept set).
+
+    Order as in transformers: temperature, then top-k, then top-p on what top-k kept.
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    if not filtered:
+        return logits
+    V = logits.shape[-1]
+    asc = jnp.sort(logits, axis=-1)  # [..., V] ascending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(asc, jnp.broadcast_to(V - k, asc.shape[:-1] + (1,)), axis=-1)
+    asc = jnp.where(asc >= kth, asc, -jnp.inf)
+    # Drop the low tail whose total mass is <= 1 - top_p; the most likely token always stays.
+    # (Ascending cumsum, as transformers does, so float rounding picks the same set.)
+    tail_mass = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
+    drop = (tail_mass <= 1.0 - top_p).at[..., -1].set(False)
+    threshold = jnp.min(jnp.where(drop, jnp.inf, asc), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def token_key(seed: jax.Array, position: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), position)
+
+
+def choose(logits: jax.Array, position: jax.Array, sp: dict[str, jax.Array], greedy: bool,
+           filtered: bool) -> jax.Array:
+    """Pick the token for `position` from logits [V] (int32 scalar)."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    warped = warp_logits(logits, sp["temperature"], sp["top_k"], sp["top_p"], filtered)
+    return jax.random.categorical(token_key(sp["seed"], position), warped).astype(jnp.int32)

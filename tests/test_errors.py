@@ -1,0 +1,117 @@
+"""Bad input fails early with a message that names the problem and the fix, and writes nothing."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import spd_jax
+from spd_jax import CheckpointError, ConfigError
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is neither a known default \(smollm2-135m-instruct\) nor an existing checkpoint"):
+        spd_jax.load_model(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        spd_jax.load_model(tmp_path)
+
+
+def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    del w["model.layers.2.mlp.up_proj.weight"]
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
+        spd_jax.load_model(d)
+
+
+def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("qwen3", False)[0], tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    w["model.layers.1.self_attn.k_norm.weight"] = np.ones(7, np.float32)
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_norm\.weight' has shape \(7,\), "
+                                              r"expected \(24,\)"):
+        spd_jax.load_model(d)
+
+
+def test_unexpected_tensor_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    w["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'"):
+        spd_jax.load_model(d)
+
+
+def test_unknown_model_type(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unknown model_type 'gpt_neox'.*supports llama"):
+        spd_jax.load_model(d)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_ckpt):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(tiny_ckpt("llama", False)[0] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        spd_jax.load_model(d)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return spd_jax.load_model(tiny_ckpt("llama", True)[0])
+
+
+def test_prompt_longer_than_cache(model):
+    with pytest.raises(ValueError, match=r"prompt \(500 tokens\) \+ max_new_tokens \(20\) = 520 exceeds the "
+                                         r"cache limit of 512"):
+        spd_jax.generate(model, [1] * 500, max_new_tokens=20)
+    with pytest.raises(ValueError, match="exceeds the cache limit of 64"):
+        spd_jax.generate(model, [1] * 60, max_new_tokens=5, max_len=64)
+
+
+def test_empty_prompt(model):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        spd_jax.generate(model, [], max_new_tokens=5)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_k=-3), "top_k must be a positive integer"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(method="beam"), "unknown method 'beam'"),
+])
+def test_invalid_generation_arguments(model, kw, msg):
+    kw = dict(dict(max_new_tokens=4), **kw)
+    with pytest.raises(ValueError, match=msg):
+        spd_jax.generate(model, [1, 2], **kw)
+
+
+def test_token_ids_out_of_vocab(model):
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 160\)"):
+        spd_jax.generate(model, [1, 160], max_new_tokens=4)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.logits(np.zeros((1, 0), np.int64))
+
+
+def test_unknown_dtype(tiny_ckpt):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        spd_jax.load_model(tiny_ckpt("llama", True)[0], dtype="float8")
