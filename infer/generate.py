@@ -1,0 +1,132 @@
+"""python -m infer.generate: generate text with a model (default: the embedded SmolLM2-135M-Instruct).
+
+Human mode streams text as tokens commit and prints stats to stderr; --json prints one JSON object per
+prompt on stdout. All logic lives in `spd_jax`; this file only parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt per line, or JSON lines with a `prompt`, `text`, `question` or `turns` field
+    (so the MT-Bench, GSM8K and HumanEval files under ../shared/data read directly)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"error: --prompt-file {path} does not exist")
+    opener = gzip.open if p.suffix == ".gz" else open
+    prompts = []
+    with opener(p, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if p.suffix in (".jsonl", ".gz") or line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {path}:{n} is not valid JSON ({e})")
+                for key in ("prompt", "text", "question", "turns"):
+                    if key in obj:
+                        v = obj[key]
+                        prompts.append(v[0] if isinstance(v, list) else v)
+                        break
+                else:
+                    raise SystemExit(f"error: {path}:{n} has none of the fields prompt, text, question, turns")
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise SystemExit(f"error: --prompt-file {path} holds no prompts")
+    return prompts
+
+
+def parse_ids(s: str) -> list[int]:
+    try:
+        return [int(t) for t in s.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {s!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
+    ap.add_argument("--mode", choices=["ar"], default="ar", help="decoding method (ar: plain autoregressive)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
+    src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
+    src.add_argument("--prompt-ids", type=parse_ids, help="comma-separated token ids, used as is")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="wrap text prompts in the tokenizer's chat template (default: when it has one)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=None, help="context limit (default: the model's)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    ap.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    return ap
+
+
+class _TextStream:
+    """Prints the text of committed tokens as they arrive (decoding the whole tail so multi-byte
+    characters split over tokens print correctly)."""
+
+    def __init__(self, model):
+        self.model, self.ids, self.printed = model, [], ""
+
+    def __call__(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.model.decode(self.ids)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    import spd_jax  # after argument parsing: --help stays instant
+
+    try:
+        model = spd_jax.load_model(args.model, dtype=args.dtype)
+        if args.prompt_ids is not None:
+            jobs = [(None, args.prompt_ids)]
+        else:
+            texts = args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT])
+            jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
+        for text, ids in jobs:
+            stream = None if args.json else _TextStream(model)
+            if not args.json:
+                print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
+            res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
+                                   stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream)
+            out_text = model.decode(res.token_ids)
+            if args.json:
+                print(json.dumps(dict(prompt=text, prompt_ids=list(map(int, ids)), token_ids=res.token_ids,
+                                      text=out_text, stats=res.stats)), flush=True)
+            else:
+                s = res.stats
+                print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "
+                      f"(decode {s['decode_tokens_per_s']:.1f} tok/s, compile {s['compile_s']:.1f} s, "
+                      f"backend {s['backend']})", file=sys.stderr)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

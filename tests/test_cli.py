@@ -1,0 +1,63 @@
+"""python -m infer.generate end to end (subprocess, as a user runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import spd_jax
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, check=True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "infer.generate", *args], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_json_output_with_prompt_ids(tiny_ckpt):
+    path, _ = tiny_ckpt("qwen2", True)
+    p = run_cli("--model", str(path), "--prompt-ids", "1,5,9", "--max-new-tokens", "12", "--no-eos", "--json")
+    obj = json.loads(p.stdout.strip().splitlines()[-1])
+    assert obj["prompt_ids"] == [1, 5, 9] and len(obj["token_ids"]) == 12
+    model = spd_jax.load_model(path)
+    assert obj["token_ids"] == spd_jax.generate(model, [1, 5, 9], 12, stop_at_eos=False).token_ids
+    s = obj["stats"]
+    assert s["tokens"] == 12 and s["tokens_per_s"] > 0 and "excludes compilation" in s["timing_includes"]
+
+
+def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
+    path, _ = tiny_ckpt("qwen2", True)
+    p = run_cli("--model", str(path), "--prompt-ids", "1,2", "--temperature", "-1", check=False)
+    assert p.returncode == 2 and "temperature must be a finite number >= 0" in p.stderr
+    p = run_cli("--model", str(tmp_path / "missing"), "--prompt-ids", "1", check=False)
+    assert p.returncode == 2 and "nor an existing checkpoint directory" in p.stderr
+    p = run_cli("--model", str(path), "--prompt", "hello", check=False)
+    assert p.returncode == 2 and "has no tokenizer" in p.stderr
+
+
+def test_prompt_file_reads_plain_and_jsonl(tmp_path):
+    from infer.generate import read_prompt_file
+
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    (tmp_path / "p.jsonl").write_text('{"turns": ["a", "b"]}\n{"question": "q"}\n')
+    assert read_prompt_file(str(tmp_path / "p.txt")) == ["first", "second"]
+    assert read_prompt_file(str(tmp_path / "p.jsonl")) == ["a", "q"]
+
+
+@pytest.mark.real_model
+def test_default_model_chat_streams_text(smollm2):
+    p = run_cli("--prompt", "What is 2 + 2?", "--max-new-tokens", "24")
+    assert p.stdout.strip()  # streamed text
+    assert "tok/s" in p.stderr
+    j = run_cli("--prompt", "What is 2 + 2?", "--max-new-tokens", "24", "--json")
+    obj = json.loads(j.stdout.strip().splitlines()[-1])
+    assert obj["text"].strip() and obj["text"].strip() in p.stdout
+    assert obj["prompt_ids"] == smollm2.encode("What is 2 + 2?")
