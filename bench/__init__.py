@@ -1,0 +1,1 @@
+"""Benchmarks (speed and memory are measured here, never in unit tests)."""
