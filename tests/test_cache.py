@@ -9,7 +9,7 @@ import spd_jax
 from spd_jax.models import decoder
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5"])
 def test_prefill_then_steps_equals_full_forward(tiny_ckpt, model_type):
     path, _ = tiny_ckpt(model_type, False)
     m = spd_jax.load_model(path)
@@ -38,12 +38,10 @@ def test_layer_ranges_compose_and_expose_hidden_states(tiny_ckpt):
     whole, _, hidden = decoder.run_layers(m.params["layers"], x0, cache, jnp.int32(0), cfg, collect_hidden=True)
 
     # Stage split 1 | 3 layers, each stage with only its own weights and cache slice.
-    def piece(a, b):
-        return jax.tree.map(lambda t: t[a:b], m.params["layers"]), decoder.KVCache(cache.k[a:b], cache.v[a:b])
     x = x0
     for a, b in [(0, 1), (1, 4)]:
-        lp, c = piece(a, b)
-        x, _, _ = decoder.run_layers(lp, x, c, jnp.int32(0), cfg)
+        lp, c, kinds = decoder.slice_layers(m.params["layers"], cache, cfg, a, b)
+        x, _, _ = decoder.run_layers(lp, x, c, jnp.int32(0), cfg, kinds)
     np.testing.assert_allclose(np.asarray(x), np.asarray(whole), atol=1e-5)
 
     # hidden[i] is the output of layer i, i.e. transformers' hidden_states[i + 1] (before the final norm).

@@ -7,7 +7,7 @@ import torch
 import spd_jax
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False),
-         ("qwen3", True)]
+         ("qwen3", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
 def hf_logits(model, ids: np.ndarray) -> np.ndarray:
@@ -52,7 +52,7 @@ def test_bfloat16_params_track_float32(tiny_ckpt):
     path, _ = tiny_ckpt("qwen3", False)
     f32 = spd_jax.load_model(path)
     b16 = spd_jax.load_model(path, dtype="bfloat16")
-    assert b16.params["layers"]["wq"].dtype == np.dtype("bfloat16")
+    assert b16.params["layers"]["attention"]["wq"].dtype == np.dtype("bfloat16")
     ids = np.random.default_rng(3).integers(0, f32.config.vocab_size, size=(1, 16))
     a, b = f32.logits(ids), b16.logits(ids)
     assert b.dtype == np.float32

@@ -17,7 +17,7 @@ from jax.experimental import io_callback
 from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose
 from spd_jax.models import decoder
-from spd_jax.models.decoder import KVCache
+from spd_jax.models.decoder import Cache
 
 PROMPT_BUCKET = 64
 CACHE_BUCKET = 128
@@ -44,15 +44,16 @@ def _emit(token, index):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered"), donate_argnames=("cache",))
-def prefill(params, prompt: jax.Array, prompt_len: jax.Array, cache: KVCache, sp: dict, *,
+def prefill(params, prompt: jax.Array, prompt_len: jax.Array, cache: Cache, sp: dict, *,
             cfg: ModelConfig, greedy: bool, filtered: bool):
     """prompt [1, P_pad] (valid up to prompt_len) -> (first token [], cache).
 
-    Padding positions write garbage keys past prompt_len; decode overwrites them before they are
-    ever attended to, since attention only reaches positions <= the query's own.
+    Padding positions write garbage keys past prompt_len, which decode overwrites before they are
+    ever attended to (attention only reaches positions <= the query's own); recurrent layers stop
+    their state at prompt_len.
     """
     x, cache, _ = decoder.run_layers(params["layers"], decoder.embed(params, prompt), cache,
-                                     jnp.int32(0), cfg)
+                                     jnp.int32(0), cfg, length=prompt_len)
     last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)  # [1, 1, H]
     logits = decoder.lm_logits(params, last, cfg)[0, 0]
     return choose(logits, prompt_len, sp, greedy, filtered), cache
@@ -60,7 +61,7 @@ def prefill(params, prompt: jax.Array, prompt_len: jax.Array, cache: KVCache, sp
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "out_len", "stream"),
                    donate_argnames=("cache",))
-def decode_loop(params, first: jax.Array, prompt_len: jax.Array, cache: KVCache, max_new: jax.Array,
+def decode_loop(params, first: jax.Array, prompt_len: jax.Array, cache: Cache, max_new: jax.Array,
                 eos_ids: jax.Array, sp: dict, *, cfg: ModelConfig, greedy: bool, filtered: bool,
                 out_len: int, stream: bool):
     """Generate up to max_new tokens (first included) -> (tokens [out_len], count, cache).

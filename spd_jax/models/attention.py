@@ -1,0 +1,74 @@
+"""Full (softmax) attention over a static KV cache: GQA, optional q/k norm, partial RoPE, output gate."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from spd_jax.config import ModelConfig
+from spd_jax.models.layers import apply_rope, rms_norm
+
+
+class KVCache(NamedTuple):
+    """Static, preallocated KV cache of a stack of attention layers. Entries at positions >= the
+    current length are garbage and never attended to (the mask is position based), so cropping after
+    a rejection is free: the next write simply lands on them."""
+
+    k: jax.Array  # [n, B, Nkv, S, D]
+    v: jax.Array  # [n, B, Nkv, S, D]
+
+
+def init_kv_cache(cfg: ModelConfig, n_layers: int, batch: int, max_len: int, dtype) -> KVCache:
+    # Heads before positions: per head, keys are a contiguous [S, D] matrix, so the score and value
+    # products are plain batched matmuls with no transposed copy of the cache.
+    shape = (n_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
+              cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
+    """T new tokens at positions [pos, pos+T) over the cached positions [0, pos).
+
+    x [B, T, H] (normed); k_cache/v_cache [B, Nkv, S, D], read only (entries >= pos are ignored).
+    Returns (out [B, T, H], k_new [B, Nkv, T, D], v_new [B, Nkv, T, D]); the caller writes k_new/v_new
+    into the cache. Keeping the cache read-only here lets a layer scan leave it in place instead of
+    threading (and copying) it through the loop carry.
+    """
+    B, T, _ = x.shape
+    S = k_cache.shape[2]
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = x @ lp["wq"]
+    k = x @ lp["wk"]
+    v = x @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(B, T, nq, d)
+    k = k.reshape(B, T, nkv, d)
+    v = v.reshape(B, T, nkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin).astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, Nkv, T, D]
+    v = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+
+    # Softmax over two key blocks, cached [0, pos) and new [pos, pos+T), merged with a shared max.
+    qg = q.reshape(B, T, nkv, nq // nkv, d) * jnp.asarray(d ** -0.5, q.dtype)
+    s_old = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
+    s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
+    m = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    p_old, p_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+    denom = p_old.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+    o = (jnp.einsum("bkgts,bksd->btkgd", (p_old / denom).astype(v.dtype), v_cache)
+         + jnp.einsum("bkgts,bksd->btkgd", (p_new / denom).astype(v.dtype), v))
+    o = o.reshape(B, T, nq * d)
+    if cfg.attn_gate:
+        o = o * jax.nn.sigmoid(x @ lp["wq_gate"])
+    o = o @ lp["wo"]
+    if cfg.o_bias:
+        o = o + lp["bo"]
+    return o, k, v
