@@ -20,8 +20,13 @@ _FAMILIES = {
     "mistral": dict(qkv_bias=False, qk_norm=False),
     "qwen2": dict(qkv_bias=True, qk_norm=False),
     "qwen3": dict(qkv_bias=False, qk_norm=True),
+    # Qwen3.5 hybrid: Gated DeltaNet + gated full attention, (1 + w) norms, partial RoPE.
+    "qwen3_5_text": dict(qkv_bias=False, qk_norm=True),
 }
-SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+_WRAPPED = {"qwen3_5": "qwen3_5_text"}  # VLM configs whose text model sits under `text_config`
+SUPPORTED_MODEL_TYPES = tuple(sorted([*_FAMILIES, *_WRAPPED]))
+ATTENTION, LINEAR = "attention", "linear"  # layer kinds
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -38,6 +43,29 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet sizes (Qwen3.5 `linear_*` keys)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_size(self) -> int:
+        return self.num_k_heads * self.k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_size + self.value_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +88,26 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Per-layer kind, ATTENTION or LINEAR (Gated DeltaNet); dense models are all ATTENTION.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionConfig | None = None
+    norm_offset: float = 0.0  # 1.0: RMSNorm scales by (1 + w) (Qwen3.5), 0.0: by w
+    attn_gate: bool = False  # q_proj also yields a per-head output gate (Qwen3.5)
+    rotary_dim: int = 0  # leading head dims that RoPE rotates (partial RoPE); 0 = head_dim
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (ATTENTION,) * self.num_layers)
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count(ATTENTION)
 
     @property
     def q_size(self) -> int:
@@ -72,6 +120,13 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         mt = d.get("model_type")
+        if mt in _WRAPPED:
+            text = dict(d.get("text_config") or {})
+            if not text:
+                raise ConfigError(f"model_type {mt!r} config has no text_config")
+            if "tie_word_embeddings" in d:  # the wrapper's flag is the one transformers honours
+                text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            d, mt = {**text, "model_type": _WRAPPED[mt]}, _WRAPPED[mt]
         if mt not in _FAMILIES:
             raise ConfigError(
                 f"unknown model_type {mt!r}: spd-jax supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
@@ -89,6 +144,26 @@ class ModelConfig:
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(d.get("attention_bias", False))
+        hybrid = mt == "qwen3_5_text"
+        n_layers = int(d["num_hidden_layers"])
+        layer_types, linear = (ATTENTION,) * n_layers, None
+        if hybrid:
+            raw = d.get("layer_types") or [
+                "full_attention" if (i + 1) % int(d.get("full_attention_interval", 4)) == 0 else "linear_attention"
+                for i in range(n_layers)]
+            kinds = {"full_attention": ATTENTION, "linear_attention": LINEAR}
+            bad = [t for t in raw if t not in kinds]
+            if bad or len(raw) != n_layers:
+                raise ConfigError(f"layer_types must list {n_layers} entries of full_attention/linear_attention, "
+                                  f"got {raw!r}")
+            layer_types = tuple(kinds[t] for t in raw)
+            linear = LinearAttentionConfig(
+                num_k_heads=int(d["linear_num_key_heads"]), num_v_heads=int(d["linear_num_value_heads"]),
+                k_dim=int(d["linear_key_head_dim"]), v_dim=int(d["linear_value_head_dim"]),
+                conv_kernel=int(d.get("linear_conv_kernel_dim", 4)))
+            if linear.num_v_heads % linear.num_k_heads:
+                raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        rope, rotary_fraction = _rope_from_hf(d, allow_partial=hybrid)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         return cls(
@@ -101,7 +176,7 @@ class ModelConfig:
             num_kv_heads=kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(d),
+            rope=rope,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=fam["qkv_bias"] or attention_bias,
             o_bias=attention_bias and not fam["qkv_bias"],
@@ -110,7 +185,23 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            layer_types=layer_types,
+            linear=linear,
+            norm_offset=1.0 if hybrid else 0.0,
+            attn_gate=hybrid,
+            rotary_dim=int(int(head_dim) * rotary_fraction),
         )
+
+    @classmethod
+    def named(cls, name: str) -> "ModelConfig":
+        """A config from configs/models/<name>.yaml (e.g. "qwen3.5-4b", "tiny-qwen3_5")."""
+        path = CONFIG_DIR / f"{name}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            raise FileNotFoundError(f"no model config named {name!r} in {CONFIG_DIR} (known: {', '.join(known)})")
+        import yaml
+
+        return cls.from_hf_dict(yaml.safe_load(path.read_text()))
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -121,7 +212,8 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()))
 
 
-def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(d: dict[str, Any], allow_partial: bool = False) -> tuple[RopeConfig, float]:
+    """-> (rope, fraction of head_dim rotated)."""
     # transformers >= 5 writes `rope_parameters`; older configs use `rope_theta` + `rope_scaling`.
     p = dict(d.get("rope_parameters") or {})
     legacy = d.get("rope_scaling") or {}
@@ -130,8 +222,10 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in _ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+    fraction = float(merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if fraction != 1.0 and not allow_partial:
         raise ConfigError("partial_rotary_factor != 1 is only supported for Qwen3.5 models")
+    # Text-only mRoPE (mrope_section) gives every section the same position: plain RoPE.
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -139,12 +233,12 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
-    )
+    ), fraction
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> list[float]:
-    """Inverse frequencies [head_dim // 2] for rotate-half RoPE, with the configured scaling."""
-    inv = [1.0 / (rope.theta ** (2 * i / head_dim)) for i in range(head_dim // 2)]
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> list[float]:
+    """Inverse frequencies [rotary_dim // 2] for rotate-half RoPE, with the configured scaling."""
+    inv = [1.0 / (rope.theta ** (2 * i / rotary_dim)) for i in range(rotary_dim // 2)]
     if rope.rope_type == "linear":
         inv = [f / rope.factor for f in inv]
     elif rope.rope_type == "llama3":
