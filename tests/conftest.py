@@ -19,7 +19,7 @@ import yaml  # noqa: E402
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
-def tiny_config(model_type: str) -> dict:
+def tiny_config(model_type: str) -> dict:  # qwen3_5 -> tiny-qwen3_5.yaml
     return yaml.safe_load((CONFIGS / f"tiny-{model_type}.yaml").read_text())
 
 
