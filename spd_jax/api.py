@@ -21,6 +21,7 @@ from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import load_hf_checkpoint
 from spd_jax.decode import ar
+from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.models import decoder
 
@@ -140,19 +141,29 @@ def _compiled_call(fn, key: tuple, args: tuple, kwargs: dict) -> tuple[Any, floa
     return exe, t
 
 
+METHODS = ("ar", "pipeline", "spd")
+
+
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, *, method: str = "ar",
              stop_at_eos: bool = True, max_len: int | None = None,
-             stream: Callable[[int], None] | None = None) -> GenerateResult:
+             stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
+             spec=None, psm_layers: int = 2, drafter: str | None = None,
+             oracle_tokens: Sequence[int] | None = None) -> GenerateResult:
     """Generate a continuation of one prompt.
 
     prompt_ids: the prompt's token ids. max_len: the context limit (default: the model's
     max_position_embeddings); the prompt plus max_new_tokens must fit in it. stream: called with each
-    token id as it commits (a host callback from inside the on-device loop).
+    token id as it commits (a host callback from inside the on-device loop; "ar" only).
+    method: "ar" (plain autoregressive), "pipeline" (n stages, one token in flight) or "spd"
+    (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
+    stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: a random
+    PSM), psm_layers (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with
+    oracle_tokens, for tests).
     Returns the generated ids and stats (tokens, timings and what they include).
     """
-    if method != "ar":
-        raise ValueError(f"unknown method {method!r}: available: 'ar'")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: available: {', '.join(METHODS)}")
     sp = SamplingParams(temperature, top_k, top_p, seed)
     cfg = model.config
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
@@ -163,10 +174,18 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     limit = max_len or cfg.max_position_embeddings
     P = int(prompt.size)
-    if P + max_new_tokens > limit:
+    if P + max_new_tokens + (method != "ar") > limit:
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {P + max_new_tokens} "
                          f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
                          "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
+
+    if method != "ar":
+        if stream is not None:
+            raise ValueError("streaming is available for method='ar' only")
+        tokens, stats = generate_pipelined(model, prompt, int(max_new_tokens), sp, method=method, n=n,
+                                           stage_layers=stage_layers, spec=spec, psm_layers=psm_layers,
+                                           drafter=drafter, oracle_tokens=oracle_tokens, stop_at_eos=stop_at_eos)
+        return GenerateResult(tokens, stats)
 
     p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
     cache_len = ar.round_up(max(P + max_new_tokens, p_pad), ar.CACHE_BUCKET)

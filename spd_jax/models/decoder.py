@@ -70,14 +70,14 @@ def slice_layers(params_layers: Params, cache: Cache, cfg: ModelConfig, start: i
     return out_layers, Cache(out.get(ATTENTION), out.get(LINEAR)), kinds
 
 
-def _attention_layer(lp, x, k_c, v_c, pos, cos, sin, cfg):
+def attention_layer(lp, x, k_c, v_c, pos, cos, sin, cfg):
     h, k_new, v_new = attention(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset),
                                 k_c, v_c, pos, cos, sin, cfg)
     x = x + h
     return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg), k_new, v_new
 
 
-def _linear_layer(lp, x, conv_prev, s_prev, length, cfg):
+def linear_layer(lp, x, conv_prev, s_prev, length, cfg):
     h, conv_new, s_new = gated_deltanet(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset),
                                         conv_prev, s_prev, cfg, length)
     x = x + h
@@ -109,7 +109,7 @@ def run_layers(layers: Params, x: jax.Array, cache: Cache, pos: jax.Array, cfg: 
         if kind == ATTENTION:
             def body(x, xs):
                 p, k_c, v_c = xs
-                x, k_new, v_new = _attention_layer(p, x, k_c, v_c, pos, cos, sin, cfg)
+                x, k_new, v_new = attention_layer(p, x, k_c, v_c, pos, cos, sin, cfg)
                 return x, (k_new, v_new, x if collect_hidden else None)
 
             x, (k_new, v_new, h) = jax.lax.scan(body, x, (lp, kv.k[a:a + n], kv.v[a:a + n]))
@@ -119,7 +119,7 @@ def run_layers(layers: Params, x: jax.Array, cache: Cache, pos: jax.Array, cfg: 
         else:
             def body(x, xs):
                 p, conv_prev, s_prev = xs
-                x, conv_new, s_new = _linear_layer(p, x, conv_prev, s_prev, length, cfg)
+                x, conv_new, s_new = linear_layer(p, x, conv_prev, s_prev, length, cfg)
                 return x, (conv_new, s_new, x if collect_hidden else None)
 
             x, (conv_new, s_new, h) = jax.lax.scan(body, x, (lp, lin_prev[0][a:a + n], lin_prev[1][a:a + n]))

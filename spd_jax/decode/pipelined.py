@@ -1,0 +1,134 @@
+"""Host side of pipelined decoding (`spd` and `pipeline` modes): plan the stages, place weights and
+caches on the `stage` mesh, pick the drafter, compile once per shape bucket, run, and report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spd_jax.decode import ar
+from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.spd import EngineConfig, build
+from spd_jax.models.attention import init_kv_cache
+from spd_jax.models.costs import layer_costs
+from spd_jax.pipeline import stages
+from spd_jax.pipeline.mesh import AXIS, stage_mesh
+from spd_jax.pipeline.partition import StagePlan, plan_stages
+from spd_jax.spec.psm import PSMConfig, init_psm, load_psm
+
+log = logging.getLogger(__name__)
+
+_placed: dict[tuple, Any] = {}  # (model, plan, anchors) -> stage weights on the mesh
+_compiled: dict[tuple, Any] = {}
+
+
+def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
+    """Uniform when n divides L and layers cost the same; else balanced on per-token decode bytes."""
+    costs = [c.bytes for c in layer_costs(model.config, context_len=1024)]
+    return plan_stages(model.config.num_layers, n, stage_layers, costs)
+
+
+def resolve_psm(model, n: int, spec, psm_layers: int, seed: int) -> tuple[PSMConfig, dict, str]:
+    """spec: None (random init), a checkpoint path, or (PSMConfig, variables). -> (config, vars, label)."""
+    if spec is None:
+        cfg = PSMConfig.for_target(model.config, n, num_layers=psm_layers)
+        log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "
+                    "exactly the target's, but few drafts will be accepted.")
+        return cfg, init_psm(model.config, cfg, model.params, seed, model.dtype), "random"
+    if isinstance(spec, (str, Path)):
+        cfg, variables = load_psm(spec, model.config, n, model.dtype)
+        return cfg, variables, str(spec)
+    cfg, variables = spec
+    if cfg.n != n:
+        raise ValueError(f"the PSM was built for n={cfg.n} stages, not n={n}")
+    return cfg, variables, "given"
+
+
+def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
+                       n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str | None = None,
+                       oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True):
+    cfg = model.config
+    plan = plan_for(model, n, stage_layers)
+    mesh = stage_mesh(plan.n)
+    drafter = drafter or ("none" if method == "pipeline" else "psm")
+    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan.n, spec, psm_layers, sp.seed) if drafter == "psm"
+                                    else (None, {}, None))
+    anchors = psm_cfg.anchors if psm_cfg else (0,)
+    layout = stages.StageLayout.of(cfg, plan, anchors)
+
+    P_ = int(prompt.size)
+    p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
+    cache_len = ar.round_up(max(P_ + max_new_tokens + 1, p_pad), ar.CACHE_BUCKET)
+    rep, st = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+
+    key = (id(model), plan, anchors)
+    if key not in _placed:
+        _placed.clear()  # one model's stage weights at a time
+        _placed[key] = (jax.device_put(stages.stack_stage_weights(model.params["layers"], cfg, layout), st),
+                        jax.device_put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
+                        jax.device_put({k: v for k, v in model.params.items() if k != "layers"}, rep))
+    stage_w, prog, shared = _placed[key]
+    caches = jax.device_put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
+    if psm_cfg:
+        pc = init_kv_cache(cfg, psm_cfg.num_layers, 1, cache_len, model.dtype)
+        psm_cache = jax.device_put(jax.tree.map(lambda t: jnp.broadcast_to(t, (plan.n, *t.shape)), pc), st)
+    else:
+        psm_cache = jax.device_put(jnp.zeros((plan.n, 1), model.dtype), st)
+    psm_vars = jax.device_put(psm_vars, rep)
+
+    prompt_arr = np.zeros((1, p_pad), np.int32)
+    prompt_arr[0, :P_] = prompt
+    eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
+    eos = eos if eos.size else np.array([-1], np.int32)
+    ref = np.zeros((cache_len,), np.int32)
+    if drafter == "oracle":
+        if oracle_tokens is None:
+            raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
+        toks = np.asarray(oracle_tokens, np.int32)[: cache_len - P_]
+        ref[P_:P_ + toks.size] = toks
+    args = (stage_w, prog, shared, psm_vars, caches, psm_cache,
+            *jax.device_put((jnp.asarray(prompt_arr), jnp.int32(P_), jnp.int32(max_new_tokens), jnp.asarray(eos),
+                             sp.runtime(), jnp.asarray(ref)), rep))
+
+    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, p_pad, cache_len)
+    ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
+    compile_s = 0.0
+    if ckey not in _compiled:
+        t0 = time.perf_counter()
+        _compiled[ckey] = build(ec, mesh).lower(*args).compile()
+        compile_s = time.perf_counter() - t0
+    exe = _compiled[ckey]
+
+    t0 = time.perf_counter()
+    seq, n_commit, cycles, accepted, rejected, seq_all, _, _ = exe(*args)
+    n_commit = int(n_commit)
+    wall = time.perf_counter() - t0
+    seq_all = np.asarray(seq_all)
+    if not (seq_all == seq_all[0]).all():
+        raise RuntimeError("pipeline stages disagree on the committed sequence (an engine bug)")
+    tokens = seq_all[0, P_:n_commit].tolist()
+    N, K = len(tokens), int(cycles)
+    alpha = N / K if K else float("nan")
+    stats = dict(
+        method=method, drafter=drafter, psm=psm_label, n=plan.n, stage_layers=list(plan.counts),
+        tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
+        S0=alpha * cfg.num_layers / plan.max_layers,
+        accepted=int(accepted), rejected=int(rejected),
+        wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s,
+        stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
+        backend=jax.default_backend(), devices=plan.n,
+        timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
+                         "inter-stage transfers and all-reduces, the device-to-host copy of the result; "
+                         "excludes compilation (compile_s). On a CPU host the n devices share its cores, so "
+                         "stages run one after another"),
+    )
+    return tokens, stats

@@ -1,0 +1,1 @@
+"""Speculation modules: the Pipeline Speculation Module (PSM) and its checkpoints."""
