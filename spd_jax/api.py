@@ -21,6 +21,7 @@ from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import load_hf_checkpoint
 from spd_jax.decode import ar
+from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.models import decoder
@@ -36,6 +37,8 @@ class Model:
     params: dict
     tokenizer: Any | None
     path: Path
+    # Device-side copies derived from params (e.g. stage-stacked weights), built on first use.
+    runtime: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def dtype(self):
@@ -127,18 +130,7 @@ class GenerateResult:
 
 # AOT-compiled executables, keyed by shapes and compile-time switches, so compile time is measured
 # apart from run time and never counted in tokens/s.
-_compiled: dict[tuple, Any] = {}
-
-
-def _compiled_call(fn, key: tuple, args: tuple, kwargs: dict) -> tuple[Any, float]:
-    exe = _compiled.get(key)
-    t = 0.0
-    if exe is None:
-        t0 = time.perf_counter()
-        exe = fn.lower(*args, **kwargs).compile()
-        t = time.perf_counter() - t0
-        _compiled[key] = exe
-    return exe, t
+_compiled = CompileCache()
 
 
 METHODS = ("ar", "pipeline", "spd")
@@ -199,13 +191,13 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     plen = jnp.int32(P)
 
     pre_args = (model.params, prompt_arr, plen, cache, rt)
-    pre, c1 = _compiled_call(ar.prefill, ("prefill", p_pad, cache_len, model.dtype, *statics.items()),
-                             pre_args, statics)
+    pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, *statics.items()),
+                            lambda: ar.prefill.lower(*pre_args, **statics))
     loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
     # Shapes only, for lowering: the real cache comes out of prefill (donated in, donated on).
     loop_args = (model.params, jnp.int32(0), plen, cache, jnp.int32(max_new_tokens), eos_arr, rt)
-    loop, c2 = _compiled_call(ar.decode_loop, ("loop", cache_len, eos_arr.shape, model.dtype,
-                                               *loop_statics.items()), loop_args, loop_statics)
+    loop, c2 = _compiled.get(("loop", cache_len, eos_arr.shape, model.dtype, *loop_statics.items()),
+                             lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
 
     t0 = time.perf_counter()
     first, cache = pre(*pre_args)

@@ -10,6 +10,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import jax  # noqa: E402
+
+# Pipeline tests need 8 devices; on the CPU they are host devices, set before JAX initialises.
+jax.config.update("jax_num_cpu_devices", 8)
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -45,6 +50,22 @@ def tiny_hf_model(model_type: str, tie: bool, seed: int = 0, **overrides):
 def save_hf(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Drop compiled programs after each test module: every live XLA CPU executable holds memory
+    mappings, and a whole suite's worth exceeds the kernel's map limit (vm.max_map_count)."""
+    yield
+    import gc
+
+    from spd_jax import api
+    from spd_jax.decode import pipelined
+
+    api._compiled.clear()
+    pipelined._compiled.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

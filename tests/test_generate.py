@@ -55,15 +55,15 @@ def test_eos_stops_and_is_kept(tiny):
 def test_shape_buckets_do_not_recompile(tiny):
     model, _ = tiny
     spd_jax.generate(model, [1, 2, 3, 4, 5], max_new_tokens=10)
-    n = len(api._compiled)
+    n = api._compiled.compiles
     spd_jax.generate(model, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=20, temperature=0.0)
     spd_jax.generate(model, [9, 8], max_new_tokens=33)
-    assert len(api._compiled) == n
+    assert api._compiled.compiles == n
     # Sampling values are data, not compile-time constants.
     spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=0.7, seed=1)
-    n = len(api._compiled)
+    n = api._compiled.compiles
     spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=1.3, seed=5)
-    assert len(api._compiled) == n
+    assert api._compiled.compiles == n
 
 
 def test_streaming_sees_every_token_in_order(tiny):

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spd_jax.decode import ar
+from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.decode.spd import EngineConfig, build
 from spd_jax.models.attention import init_kv_cache
@@ -27,8 +28,7 @@ from spd_jax.spec.psm import PSMConfig, init_psm, load_psm
 
 log = logging.getLogger(__name__)
 
-_placed: dict[tuple, Any] = {}  # (model, plan, anchors) -> stage weights on the mesh
-_compiled: dict[tuple, Any] = {}
+_compiled = CompileCache()
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -43,7 +43,10 @@ def resolve_psm(model, n: int, spec, psm_layers: int, seed: int) -> tuple[PSMCon
         cfg = PSMConfig.for_target(model.config, n, num_layers=psm_layers)
         log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "
                     "exactly the target's, but few drafts will be accepted.")
-        return cfg, init_psm(model.config, cfg, model.params, seed, model.dtype), "random"
+        key = ("random_psm", cfg, seed)
+        if key not in model.runtime:
+            model.runtime[key] = init_psm(model.config, cfg, model.params, seed, model.dtype)
+        return cfg, model.runtime[key], "random"
     if isinstance(spec, (str, Path)):
         cfg, variables = load_psm(spec, model.config, n, model.dtype)
         return cfg, variables, str(spec)
@@ -67,16 +70,18 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     P_ = int(prompt.size)
     p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
-    cache_len = ar.round_up(max(P_ + max_new_tokens + 1, p_pad), ar.CACHE_BUCKET)
+    # + n + 1: the PSM recomputes a block of n + 1 rows that may reach past the last generated position
+    cache_len = ar.round_up(max(P_ + max_new_tokens + plan.n + 1, p_pad), ar.CACHE_BUCKET)
     rep, st = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
-    key = (id(model), plan, anchors)
-    if key not in _placed:
-        _placed.clear()  # one model's stage weights at a time
-        _placed[key] = (jax.device_put(stages.stack_stage_weights(model.params["layers"], cfg, layout), st),
+    key = ("stage_weights", plan, anchors)
+    if key not in model.runtime:
+        for old in [k for k in model.runtime if k[0] == "stage_weights"]:
+            del model.runtime[old]  # one placement at a time: stage weights are a copy of the layers
+        model.runtime[key] = (jax.device_put(stages.stack_stage_weights(model.params["layers"], cfg, layout), st),
                         jax.device_put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
                         jax.device_put({k: v for k, v in model.params.items() if k != "layers"}, rep))
-    stage_w, prog, shared = _placed[key]
+    stage_w, prog, shared = model.runtime[key]
     caches = jax.device_put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
     if psm_cfg:
         pc = init_kv_cache(cfg, psm_cfg.num_layers, 1, cache_len, model.dtype)
@@ -101,12 +106,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, p_pad, cache_len)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
-    compile_s = 0.0
-    if ckey not in _compiled:
-        t0 = time.perf_counter()
-        _compiled[ckey] = build(ec, mesh).lower(*args).compile()
-        compile_s = time.perf_counter() - t0
-    exe = _compiled[ckey]
+    exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))
 
     t0 = time.perf_counter()
     seq, n_commit, cycles, accepted, rejected, seq_all, _, _ = exe(*args)

@@ -15,6 +15,7 @@ they were trained for; loading one for another model or n is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -132,15 +133,18 @@ class PSM(nn.Module):
 
 def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32) -> dict:
     """Random PSM weights with the LM head copied from the target's."""
-    module = PSM(cfg, spec)
-    H, T = cfg.hidden_size, 2
-    cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
-    variables = module.init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
-                            jnp.int32(0), target_params["final_norm"].astype(jnp.float32))
-    params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
+    params = jax.tree.map(lambda t: t.astype(dtype), _init_random(cfg, spec, seed))
     head = target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
     params["lm_head"] = jnp.asarray(head, dtype)
     return {"params": params}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init_random(cfg: ModelConfig, spec: PSMConfig, seed: int) -> dict:
+    H, T = cfg.hidden_size, 2
+    cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
+    return PSM(cfg, spec).init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
+                               jnp.int32(0), jnp.ones((H,), jnp.float32))["params"]
 
 
 class PSMCheckpointError(ValueError):
