@@ -41,6 +41,8 @@ DRAFTERS = ("psm", "none", "oracle")
 # Independent random streams per position (fold_in of the token key): the target's own sample uses
 # the token key itself, exactly as autoregressive sampling does.
 _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
+# Test hook only: accept every draft (a deliberately wrong rule the sampling test must detect).
+_TEST_ACCEPT_EVERY_DRAFT = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +174,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         q_dist = loc["qring"][p1 % n] if sampling_psm else jax.nn.one_hot(drafted, V)  # oracle: q is a point mass
         u = jax.random.uniform(jax.random.fold_in(key, _ACCEPT))
         ok = has_next & (u * q_dist[drafted] < p_dist[drafted])  # accept with prob min(1, p/q)
+        if _TEST_ACCEPT_EVERY_DRAFT:
+            ok = has_next
         residual = jnp.maximum(p_dist - q_dist, 0.0)
         y_res = jax.random.categorical(jax.random.fold_in(key, _RESIDUAL), jnp.log(residual))
         y_own = jax.random.categorical(key, warped)

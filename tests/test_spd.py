@@ -1,0 +1,174 @@
+"""The SPD engine and the plain pipeline on 8 CPU devices: lossless greedy and sampling, rollback
+(including Gated DeltaNet state), identical decisions on every stage, no recompilation, bad input."""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+import spd_jax
+from spd_jax.decode import pipelined
+from spd_jax.decode.compile_cache import CompileCache
+from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
+from spd_jax.spec.psm import PSMCheckpointError, PSMConfig, init_psm, save_psm
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def deep(request, tiny_ckpt):
+    """An 8-layer tiny model (so n = 8 fits); Qwen3.5's pattern gives LLLA LLLA."""
+    path, _ = tiny_ckpt(request.param, False, num_hidden_layers=8)
+    return spd_jax.load_model(path)
+
+
+PROMPT = [1, 17, 42, 99, 5, 63, 7]
+
+
+@pytest.fixture(scope="module")
+def reference(deep):
+    return spd_jax.generate(deep, PROMPT, 24, stop_at_eos=False).token_ids
+
+
+def _check_lossless(model, reference, n, stage_layers, method):
+    res = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False, method=method, n=n, stage_layers=stage_layers,
+                           psm_layers=1)
+    assert res.token_ids == reference
+    s = res.stats
+    assert s["n"] == n and sum(s["stage_layers"]) == 8 and s["tokens"] == 24
+    if method == "spd" and n > 1:
+        assert s["rejected"] > 0  # a random PSM: rollbacks are exercised
+    if method == "pipeline":
+        assert s["cycles"] == 23 * n  # one token in flight: n cycles per token after the first
+
+
+@pytest.mark.parametrize("n,stage_layers", [(1, None), (2, None), (3, None), (4, None), (8, None),
+                                            (3, [1, 4, 3]), (4, [3, 1, 1, 3])])
+@pytest.mark.parametrize("method", ["pipeline", "spd"])
+def test_greedy_equals_autoregressive(deep, reference, n, stage_layers, method):
+    _check_lossless(deep, reference, n, stage_layers, method)
+
+
+@pytest.mark.parametrize("n,stage_layers,method", [(2, None, "spd"), (3, [2, 5, 1], "spd"), (4, None, "pipeline")])
+def test_greedy_equals_autoregressive_qwen3(tiny_ckpt, n, stage_layers, method):
+    """Qwen3 shares Llama's code path but for q/k norms and head_dim: a few cases cover it."""
+    model = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
+    _check_lossless(model, spd_jax.generate(model, PROMPT, 24, stop_at_eos=False).token_ids, n, stage_layers, method)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_oracle_drafter_reaches_the_ideal_alpha(deep, reference, n):
+    res = spd_jax.generate(deep, PROMPT, 24, stop_at_eos=False, method="spd", n=n, drafter="oracle",
+                           oracle_tokens=reference)
+    assert res.token_ids == reference
+    s = res.stats
+    assert s["rejected"] == 0 and s["accepted"] == 23
+    # the first token comes from prefill; the pipeline then needs n - 1 cycles to fill
+    assert s["cycles"] == 24 + n - 2
+    assert s["alpha"] == pytest.approx(24 / (24 + n - 2))
+
+
+def test_eos_stops_spd(deep, reference):
+    import dataclasses
+
+    eos = reference[6]
+    stopper = dataclasses.replace(deep, config=dataclasses.replace(deep.config, eos_token_ids=(eos,)))
+    res = spd_jax.generate(stopper, PROMPT, 24, method="spd", n=4, psm_layers=1)
+    assert res.token_ids == reference[:reference.index(eos) + 1]
+
+
+def test_no_recompilation_per_cycle_or_length(deep):
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    spd_jax.generate(deep, PROMPT, 20, method="spd", n=4, psm_layers=1)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        spd_jax.generate(deep, PROMPT[:5], 37, method="spd", n=4, psm_layers=1)  # other lengths, same buckets
+        spd_jax.generate(deep, PROMPT + [3, 3], 11, method="spd", n=4, psm_layers=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+def _pair_counts(model, runs, **kw):
+    out = {}
+    for i in range(runs):
+        pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, seed=i, stop_at_eos=False, **kw).token_ids)
+        out[pair] = out.get(pair, 0) + 1
+    return out
+
+
+SAMPLING_PROMPT = [5, 9, 11]
+
+
+def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch):
+    """Seeded runs of SPD (n=2, random PSM: its draft for the 2nd token is verified by speculative
+    sampling) give the target's exact joint distribution of the first two tokens (chi-square), and the
+    same test rejects a deliberately wrong rule (accept every draft)."""
+    from spd_jax.decode import spd as engine
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=2)[0])
+    kw = dict(temperature=1.0, top_k=4, method="spd", n=2, psm_layers=1)
+
+    def warped(ids):
+        lg = model.logits(np.array([ids]))[0, -1]
+        keep = np.argsort(lg)[::-1][:4]
+        p = np.exp(lg[keep] - lg[keep].max())
+        return dict(zip(keep.tolist(), (p / p.sum()).tolist()))
+
+    p0 = warped(SAMPLING_PROMPT)
+    joint = {(a, b): pa * pb for a, pa in p0.items() for b, pb in warped(SAMPLING_PROMPT + [a]).items()}
+    cells = sorted(joint)
+    expected = np.array([joint[c] for c in cells])
+
+    def pvalue(counts):
+        obs = np.array([counts.get(c, 0) for c in cells])
+        outside = sum(counts.values()) - obs.sum()
+        return outside, sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
+
+    runs = 200
+    outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
+    assert outside == 0 and p_ok > 1e-3
+
+    monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
+    monkeypatch.setattr(pipelined, "_compiled", CompileCache())
+    outside, p_bad = pvalue(_pair_counts(model, runs, **kw))
+    assert outside > 0 or p_bad < 1e-6
+
+
+def test_partition_helpers():
+    assert uniform(8, 4).counts == (2, 2, 2, 2)
+    assert explicit(8, [1, 4, 3]).bounds == ((0, 1), (1, 5), (5, 8))
+    assert balanced([1] * 30, 8).max_layers == 4
+    assert balanced([3, 3, 3, 1] * 8, 4).counts == (8, 8, 8, 8)
+    assert plan_stages(30, 8).counts == (3, 3, 4, 4, 4, 4, 4, 4)
+    with pytest.raises(ValueError, match="do not split uniformly"):
+        uniform(30, 8)
+    with pytest.raises(ValueError, match="sum to 7, but the model has 8 layers"):
+        explicit(8, [3, 4])
+
+
+def test_bad_input(deep, tmp_path, tiny_ckpt):
+    with pytest.raises(ValueError, match="n=9 pipeline stages for a model of 8 layers"):
+        spd_jax.generate(deep, PROMPT, 4, method="spd", n=9)
+    big = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=12)[0])
+    with pytest.raises(ValueError, match="need 10 devices, but JAX sees 8.*xla_force_host_platform_device_count=10"):
+        spd_jax.generate(big, PROMPT, 4, method="spd", n=10)
+    with pytest.raises(ValueError, match="exceeds the cache limit of 512"):
+        spd_jax.generate(deep, [1] * 500, 12, method="spd", n=2)
+    # PSM checkpoints for another n or another model
+    cfg = PSMConfig.for_target(deep.config, 4, num_layers=1)
+    save_psm(tmp_path / "psm4", init_psm(deep.config, cfg, deep.params), cfg)
+    with pytest.raises(PSMCheckpointError, match="trained for n=4 pipeline stages, not n=2"):
+        spd_jax.generate(deep, PROMPT, 4, method="spd", n=2, spec=tmp_path / "psm4")
+    other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
+    with pytest.raises(PSMCheckpointError, match="trained for another model"):
+        spd_jax.generate(other, PROMPT, 4, method="spd", n=4, spec=tmp_path / "psm4")
+    with pytest.raises(FileNotFoundError, match="not a PSM checkpoint"):
+        spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, spec=tmp_path)
+    # a saved PSM loads and decodes losslessly
+    res = spd_jax.generate(deep, PROMPT, 12, method="spd", n=4, spec=tmp_path / "psm4", stop_at_eos=False)
+    assert res.token_ids == spd_jax.generate(deep, PROMPT, 12, stop_at_eos=False).token_ids
+    assert res.stats["psm"] == str(tmp_path / "psm4")
