@@ -59,7 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
-    ap.add_argument("--mode", choices=["ar"], default="ar", help="decoding method (ar: plain autoregressive)")
+    ap.add_argument("--mode", choices=["ar", "pipeline", "spd"], default="spd",
+                    help="spd: speculative pipeline decoding; pipeline: the same n stages, one token in flight; "
+                         "ar: plain autoregressive on one device")
+    ap.add_argument("--n", type=int, default=8, help="pipeline stages, one device each (spd, pipeline)")
+    ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
+    ap.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: a random PSM, lossless "
+                                                 "but with low acceptance)")
+    ap.add_argument("--psm-layers", type=int, default=2, help="decoder layers of a random PSM")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
@@ -97,6 +105,11 @@ class _TextStream:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.mode != "ar":
+        # On a CPU-only host the n stages are n host devices; this must precede JAX's initialisation.
+        from spd_jax.pipeline.mesh import request_cpu_devices
+
+        request_cpu_devices(args.n)
     import spd_jax  # after argument parsing: --help stays instant
 
     try:
@@ -107,22 +120,27 @@ def main(argv: list[str] | None = None) -> int:
             texts = args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT])
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
         for text, ids in jobs:
-            stream = None if args.json else _TextStream(model)
+            stream = None if args.json or args.mode != "ar" else _TextStream(model)
             if not args.json:
                 print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
-                                   stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream)
+                                   stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
+                                   n=args.n, stage_layers=args.stages, spec=args.spec, psm_layers=args.psm_layers)
             out_text = model.decode(res.token_ids)
             if args.json:
                 print(json.dumps(dict(prompt=text, prompt_ids=list(map(int, ids)), token_ids=res.token_ids,
                                       text=out_text, stats=res.stats)), flush=True)
             else:
                 s = res.stats
+                if stream is None:
+                    print(out_text, end="")
+                detail = (f"decode {s['decode_tokens_per_s']:.1f} tok/s" if args.mode == "ar" else
+                          f"n={s['n']} stages {s['stage_layers']}, alpha {s['alpha']:.3f}, S0 {s['S0']:.2f}, "
+                          f"accepted {s['accepted']}, rejected {s['rejected']}, PSM {s['psm']}")
                 print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "
-                      f"(decode {s['decode_tokens_per_s']:.1f} tok/s, compile {s['compile_s']:.1f} s, "
-                      f"backend {s['backend']})", file=sys.stderr)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+                      f"({detail}; compile {s['compile_s']:.1f} s, backend {s['backend']})", file=sys.stderr)
+    except (ValueError, FileNotFoundError, KeyError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,7 +24,8 @@ def run_cli(*args, check=True):
 
 def test_json_output_with_prompt_ids(tiny_ckpt):
     path, _ = tiny_ckpt("qwen2", True)
-    p = run_cli("--model", str(path), "--prompt-ids", "1,5,9", "--max-new-tokens", "12", "--no-eos", "--json")
+    p = run_cli("--model", str(path), "--mode", "ar", "--prompt-ids", "1,5,9", "--max-new-tokens", "12", "--no-eos",
+                "--json")
     obj = json.loads(p.stdout.strip().splitlines()[-1])
     assert obj["prompt_ids"] == [1, 5, 9] and len(obj["token_ids"]) == 12
     model = spd_jax.load_model(path)
@@ -35,12 +36,14 @@ def test_json_output_with_prompt_ids(tiny_ckpt):
 
 def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
     path, _ = tiny_ckpt("qwen2", True)
-    p = run_cli("--model", str(path), "--prompt-ids", "1,2", "--temperature", "-1", check=False)
+    p = run_cli("--model", str(path), "--mode", "ar", "--prompt-ids", "1,2", "--temperature", "-1", check=False)
     assert p.returncode == 2 and "temperature must be a finite number >= 0" in p.stderr
     p = run_cli("--model", str(tmp_path / "missing"), "--prompt-ids", "1", check=False)
     assert p.returncode == 2 and "nor an existing checkpoint directory" in p.stderr
-    p = run_cli("--model", str(path), "--prompt", "hello", check=False)
+    p = run_cli("--model", str(path), "--mode", "ar", "--prompt", "hello", check=False)
     assert p.returncode == 2 and "has no tokenizer" in p.stderr
+    p = run_cli("--model", str(path), "--prompt-ids", "1,2", check=False)  # default: spd, n=8 > 4 layers
+    assert p.returncode == 2 and "n=8 pipeline stages for a model of 4 layers" in p.stderr
 
 
 def test_prompt_file_reads_plain_and_jsonl(tmp_path):
@@ -54,10 +57,24 @@ def test_prompt_file_reads_plain_and_jsonl(tmp_path):
 
 @pytest.mark.real_model
 def test_default_model_chat_streams_text(smollm2):
-    p = run_cli("--prompt", "What is 2 + 2?", "--max-new-tokens", "24")
+    p = run_cli("--mode", "ar", "--prompt", "What is 2 + 2?", "--max-new-tokens", "24")
     assert p.stdout.strip()  # streamed text
     assert "tok/s" in p.stderr
-    j = run_cli("--prompt", "What is 2 + 2?", "--max-new-tokens", "24", "--json")
+    j = run_cli("--mode", "ar", "--prompt", "What is 2 + 2?", "--max-new-tokens", "24", "--json")
     obj = json.loads(j.stdout.strip().splitlines()[-1])
     assert obj["text"].strip() and obj["text"].strip() in p.stdout
     assert obj["prompt_ids"] == smollm2.encode("What is 2 + 2?")
+
+
+@pytest.mark.real_model
+def test_default_model_spd_on_8_devices_equals_ar(smollm2):
+    """The user's main command: python -m infer.generate --mode spd --n 8 (8 CPU devices set up by the CLI)."""
+    args = ("--prompt", "Name three primary colors.", "--max-new-tokens", "40", "--json")
+    spd = json.loads(run_cli("--mode", "spd", "--n", "8", *args).stdout.strip().splitlines()[-1])
+    ar = json.loads(run_cli("--mode", "ar", *args).stdout.strip().splitlines()[-1])
+    assert spd["token_ids"] == ar["token_ids"] and spd["text"] == ar["text"]
+    s = spd["stats"]
+    assert s["n"] == 8 and s["stage_layers"] == [3, 3, 4, 4, 4, 4, 4, 4] and s["psm"] == "random"
+    assert s["tokens"] == len(ar["token_ids"]) and s["cycles"] >= s["tokens"] and 0 < s["alpha"] <= 1
+    pipe = json.loads(run_cli("--mode", "pipeline", "--n", "4", *args).stdout.strip().splitlines()[-1])
+    assert pipe["token_ids"] == ar["token_ids"]
