@@ -1,0 +1,98 @@
+"""Time the parts of one SPD cycle on the current backend, each as its own small jitted program:
+every stage's layers on one token, the PSM draft, verification (final norm + LM head + choice), and
+the per-cycle collectives of the engine (hidden-state permute, anchor all-reduce, decision all-reduces).
+
+Each figure is the median wall time of a call, including its host dispatch; the engine itself runs
+all of them inside one on-device loop, so `cycle_ms - (slowest stage + PSM + verify + comm)` measured
+on the real engine is the remaining overhead (synchronisation and what the parts' dispatch hides).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spd_jax.models import decoder
+from spd_jax.models.attention import init_kv_cache
+from spd_jax.pipeline import stages
+from spd_jax.pipeline.mesh import AXIS, stage_mesh
+from spd_jax.spec.psm import PSM, PSMConfig, init_psm
+
+
+def _median_ms(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: int = 30) -> dict:
+    cfg, n = model.config, plan.n
+    psm_cfg = PSMConfig.for_target(cfg, n, num_layers=psm_layers)
+    layout = stages.StageLayout.of(cfg, plan, psm_cfg.anchors)
+    weights = stages.stack_stage_weights(model.params["layers"], cfg, layout)
+    prog = jax.tree.map(jnp.asarray, stages.program(cfg, layout))
+    caches = stages.init_stage_caches(cfg, layout, 1, context + 64, ring=n, dtype=model.dtype)
+    x = jnp.zeros((1, 1, cfg.hidden_size), model.dtype)
+    pos = jnp.int32(context)
+
+    @jax.jit
+    def one_stage(w, c, p, x):
+        return stages.stage_forward(w, c, p, x, pos, cfg, layout)[0]
+
+    stage_ms = [_median_ms(one_stage, *(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)), x,
+                           iters=iters) for s in range(n)]
+
+    psm_vars = init_psm(cfg, psm_cfg, model.params, dtype=model.dtype)
+    module = PSM(cfg, psm_cfg)
+    pcache = init_kv_cache(cfg, psm_cfg.num_layers, 1, context + 64, model.dtype)
+    h = jnp.zeros((n + 1, psm_cfg.m, cfg.hidden_size), model.dtype)
+    types = jnp.zeros((n + 1,), jnp.int32)
+
+    @jax.jit
+    def psm_draft(v, c, h, types):
+        rows = module.apply(v, h, types, method=PSM.rows)
+        hid, c = module.apply(v, rows[None], c, pos, method=PSM.forward)
+        return jnp.argmax(module.apply(v, hid[0, -1], model.params["final_norm"], method=PSM.logits))
+
+    psm_ms = _median_ms(psm_draft, psm_vars, pcache, h, types, iters=iters)
+
+    @jax.jit
+    def verify(params, x):
+        return jnp.argmax(decoder.lm_logits(params, x, cfg)[0, 0])
+
+    verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x, iters=iters)
+
+    mesh = stage_mesh(n)
+    W, m, H, reps = n + 2, psm_cfg.m, cfg.hidden_size, 20
+    fwd = [(i, i + 1) for i in range(n - 1)]
+
+    def collectives(x, table):
+        def body(_, c):
+            x, table = c
+            x = jax.lax.ppermute(x, AXIS, fwd) if n > 1 else x
+            table = jax.lax.psum(table, AXIS)
+            d = jax.lax.psum(jnp.int32(1), AXIS) + jax.lax.psum(jnp.int32(1), AXIS) + jax.lax.psum(jnp.int32(1), AXIS)
+            return x + d.astype(x.dtype), table
+        return jax.lax.fori_loop(0, reps, body, (x, table))
+
+    comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)),
+                                 check_vma=False))
+    st = NamedSharding(mesh, P(AXIS))
+    xs = jax.device_put(jnp.zeros((n, 1, H), model.dtype), st)
+    tables = jax.device_put(jnp.zeros((n * W, m, H), model.dtype), st)
+    comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
+
+    return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, verify_ms=verify_ms,
+                comm_ms=comm_ms, context=context, n=n, stage_layers=list(plan.counts),
+                includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
+                         "amortised over an on-device loop")
