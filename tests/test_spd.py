@@ -128,13 +128,15 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch):
         outside = sum(counts.values()) - obs.sum()
         return outside, sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
 
-    runs = 200
+    runs = 600
     outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
+    print(f"correct rule: p={p_ok:.3g}")
     assert outside == 0 and p_ok > 1e-3
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
     monkeypatch.setattr(pipelined, "_compiled", CompileCache())
     outside, p_bad = pvalue(_pair_counts(model, runs, **kw))
+    print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
 
 

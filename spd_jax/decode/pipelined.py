@@ -37,15 +37,16 @@ def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StageP
     return plan_stages(model.config.num_layers, n, stage_layers, costs)
 
 
-def resolve_psm(model, n: int, spec, psm_layers: int, seed: int) -> tuple[PSMConfig, dict, str]:
-    """spec: None (random init), a checkpoint path, or (PSMConfig, variables). -> (config, vars, label)."""
+def resolve_psm(model, n: int, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
+    """spec: None (random init, seed 0: the PSM is a model, not sampling randomness), a checkpoint
+    path, or (PSMConfig, variables). -> (config, vars, label)."""
     if spec is None:
         cfg = PSMConfig.for_target(model.config, n, num_layers=psm_layers)
         log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "
                     "exactly the target's, but few drafts will be accepted.")
-        key = ("random_psm", cfg, seed)
+        key = ("random_psm", cfg)
         if key not in model.runtime:
-            model.runtime[key] = init_psm(model.config, cfg, model.params, seed, model.dtype)
+            model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
         return cfg, model.runtime[key], "random"
     if isinstance(spec, (str, Path)):
         cfg, variables = load_psm(spec, model.config, n, model.dtype)
@@ -63,7 +64,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     plan = plan_for(model, n, stage_layers)
     mesh = stage_mesh(plan.n)
     drafter = drafter or ("none" if method == "pipeline" else "psm")
-    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan.n, spec, psm_layers, sp.seed) if drafter == "psm"
+    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan.n, spec, psm_layers) if drafter == "psm"
                                     else (None, {}, None))
     anchors = psm_cfg.anchors if psm_cfg else (0,)
     layout = stages.StageLayout.of(cfg, plan, anchors)

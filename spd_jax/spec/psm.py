@@ -139,8 +139,8 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
     return {"params": params}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _init_random(cfg: ModelConfig, spec: PSMConfig, seed: int) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_random(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
     H, T = cfg.hidden_size, 2
     cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
     return PSM(cfg, spec).init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
