@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -41,10 +41,6 @@ class Cache(NamedTuple):
     kv: KVCache | None
     linear: LinearState | None
 
-    @property
-    def max_len(self) -> int | None:
-        return None if self.kv is None else self.kv.k.shape[3]
-
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, ring: int = 1,
                kinds: tuple[str, ...] | None = None) -> Cache:

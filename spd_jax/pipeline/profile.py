@@ -9,7 +9,6 @@ on the real engine is the remaining overhead (synchronisation and what the parts
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 

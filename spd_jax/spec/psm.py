@@ -22,7 +22,6 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.models import decoder
@@ -193,6 +192,3 @@ def _zeros_target(cfg: ModelConfig) -> dict:
         z["lm_head"] = z["embed"]
     return z
 
-
-def psm_param_count(variables: dict) -> int:
-    return int(sum(np.prod(t.shape) for t in jax.tree.leaves(variables)))
