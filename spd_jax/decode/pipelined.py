@@ -49,7 +49,10 @@ def resolve_psm(model, n: int, spec, psm_layers: int) -> tuple[PSMConfig, dict, 
             model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
         return cfg, model.runtime[key], "random"
     if isinstance(spec, (str, Path)):
-        cfg, variables = load_psm(spec, model.config, n, model.dtype)
+        key = ("psm_checkpoint", str(Path(spec).absolute()), n)
+        if key not in model.runtime:
+            model.runtime[key] = load_psm(spec, model.config, n, model.dtype)
+        cfg, variables = model.runtime[key]
         return cfg, variables, str(spec)
     cfg, variables = spec
     if cfg.n != n:
@@ -89,7 +92,14 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         psm_cache = jax.device_put(jax.tree.map(lambda t: jnp.broadcast_to(t, (plan.n, *t.shape)), pc), st)
     else:
         psm_cache = jax.device_put(jnp.zeros((plan.n, 1), model.dtype), st)
-    psm_vars = jax.device_put(psm_vars, rep)
+    if psm_label != "given":
+        # replicated once per (PSM, mesh), not on every call
+        pkey = ("psm_on_mesh", psm_label, psm_cfg, tuple(d.id for d in mesh.devices.flat))
+        if pkey not in model.runtime:
+            model.runtime[pkey] = jax.device_put(psm_vars, rep)
+        psm_vars = model.runtime[pkey]
+    else:
+        psm_vars = jax.device_put(psm_vars, rep)
 
     prompt_arr = np.zeros((1, p_pad), np.int32)
     prompt_arr[0, :P_] = prompt
