@@ -8,19 +8,22 @@ training data: GSM8K's train split here (never the benchmark prompts). Files are
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the repository; SPD_JAX_DATA points elsewhere.
+DATA_ROOT = Path(os.environ.get("SPD_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 def read_gsm8k(split: str = "train", root: Path = DATA_ROOT) -> Iterator[tuple[str, str]]:
     """(question, answer) pairs of GSM8K's `split` ("train" or "test")."""
     path = Path(root) / "gsm8k" / f"{split}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the evaluation data lives in ../shared/data beside the repo")
+        raise FileNotFoundError(f"{path} not found: the data lives in ../shared/data beside the repository "
+                                "(or set SPD_JAX_DATA to its folder)")
     with path.open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
