@@ -47,6 +47,19 @@ def tiny_hf_model(model_type: str, tie: bool, seed: int = 0, **overrides):
     return model
 
 
+def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """Copy checkpoint dir src to dst and apply edit(weights: dict name -> np.ndarray) to its tensors."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(dst / "model.safetensors")
+    edit(w)
+    save_file(w, dst / "model.safetensors")
+    return dst
+
+
 def save_hf(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -5,10 +5,11 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 import spd_jax
 from spd_jax import CheckpointError, ConfigError
+
+from conftest import edited_checkpoint
 
 
 def _copy(src, dst):
@@ -27,29 +28,23 @@ def test_missing_config(tmp_path):
 
 
 def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
-    w = load_file(d / "model.safetensors")
-    del w["model.layers.2.mlp.up_proj.weight"]
-    save_file(w, d / "model.safetensors")
+    d = edited_checkpoint(tiny_ckpt("llama", False)[0], tmp_path / "m",
+                          lambda w: w.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
         spd_jax.load_model(d)
 
 
 def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt("qwen3", False)[0], tmp_path / "m")
-    w = load_file(d / "model.safetensors")
-    w["model.layers.1.self_attn.k_norm.weight"] = np.ones(7, np.float32)
-    save_file(w, d / "model.safetensors")
+    d = edited_checkpoint(tiny_ckpt("qwen3", False)[0], tmp_path / "m",
+                          lambda w: w.update({"model.layers.1.self_attn.k_norm.weight": np.ones(7, np.float32)}))
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_norm\.weight' has shape \(7,\), "
                                               r"expected \(24,\)"):
         spd_jax.load_model(d)
 
 
 def test_unexpected_tensor_is_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
-    w = load_file(d / "model.safetensors")
-    w["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
-    save_file(w, d / "model.safetensors")
+    d = edited_checkpoint(tiny_ckpt("llama", False)[0], tmp_path / "m",
+                          lambda w: w.update({"model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'"):
         spd_jax.load_model(d)
 

@@ -2,7 +2,6 @@
 rewindable state, converter errors."""
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.models import decoder
 from spd_jax.models.deltanet import delta_rule_chunked, delta_rule_recurrent
 
-from conftest import tiny_config
+from conftest import edited_checkpoint, tiny_config
 
 
 def test_config_layer_types_and_partial_rope():
@@ -159,11 +158,7 @@ def test_hidden_states_follow_layer_order(hybrid, tiny_ckpt):
      r"'model\.layers\.3\.self_attn\.q_proj\.weight' has shape \(128, 64\), expected \(256, 64\)"),
 ])
 def test_converter_names_the_bad_deltanet_tensor(tiny_ckpt, tmp_path, edit, msg):
-    d = tmp_path / "m"
-    shutil.copytree(tiny_ckpt("qwen3_5", False)[0], d)
-    w = load_file(d / "model.safetensors")
-    edit(w)
-    save_file(w, d / "model.safetensors")
+    d = edited_checkpoint(tiny_ckpt("qwen3_5", False)[0], tmp_path / "m", edit)
     with pytest.raises(CheckpointError, match=msg):
         spd_jax.load_model(d)
 
