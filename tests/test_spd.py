@@ -161,13 +161,18 @@ def test_bad_input(deep, tmp_path, tiny_ckpt):
     with pytest.raises(ValueError, match="exceeds the cache limit of 512"):
         spd_jax.generate(deep, [1] * 500, 12, method="spd", n=2)
     # PSM checkpoints for another n or another model
-    cfg = PSMConfig.for_target(deep.config, 4, num_layers=1)
+    plan = pipelined.plan_for(deep, 4).counts  # what generate(n=4) runs
+    cfg = PSMConfig.for_target(deep.config, plan, num_layers=1)
     save_psm(tmp_path / "psm4", init_psm(deep.config, cfg, deep.params), cfg)
     with pytest.raises(PSMCheckpointError, match="trained for n=4 pipeline stages, not n=2"):
         spd_jax.generate(deep, PROMPT, 4, method="spd", n=2, spec=tmp_path / "psm4")
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PSMCheckpointError, match="trained for another model"):
         spd_jax.generate(other, PROMPT, 4, method="spd", n=4, spec=tmp_path / "psm4")
+    other_plan = [1, 3, 2, 2] if list(plan) != [1, 3, 2, 2] else [2, 2, 1, 3]
+    with pytest.raises(PSMCheckpointError, match=rf"trained for the stage plan \[{', '.join(map(str, plan))}\]"
+                                                 rf".*--stages {','.join(map(str, plan))}"):
+        spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, stage_layers=other_plan, spec=tmp_path / "psm4")
     with pytest.raises(FileNotFoundError, match="not a PSM checkpoint"):
         spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, spec=tmp_path)
     # a saved PSM loads and decodes losslessly

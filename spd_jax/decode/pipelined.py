@@ -24,7 +24,7 @@ from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.mesh import AXIS, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.spec.psm import PSMConfig, init_psm, load_psm
+from spd_jax.spec.psm import PSMConfig, check_spec, init_psm, load_psm
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,12 @@ def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StageP
     return plan_stages(model.config.num_layers, n, stage_layers, costs)
 
 
-def resolve_psm(model, n: int, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
+def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
     """spec: None (random init, seed 0: the PSM is a model, not sampling randomness), a checkpoint
     path, or (PSMConfig, variables). -> (config, vars, label)."""
+    n = plan.n
     if spec is None:
-        cfg = PSMConfig.for_target(model.config, n, num_layers=psm_layers)
+        cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
         log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "
                     "exactly the target's, but few drafts will be accepted.")
         key = ("random_psm", cfg)
@@ -49,14 +50,13 @@ def resolve_psm(model, n: int, spec, psm_layers: int) -> tuple[PSMConfig, dict, 
             model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
         return cfg, model.runtime[key], "random"
     if isinstance(spec, (str, Path)):
-        key = ("psm_checkpoint", str(Path(spec).absolute()), n)
+        key = ("psm_checkpoint", str(Path(spec).absolute()), plan.counts)
         if key not in model.runtime:
-            model.runtime[key] = load_psm(spec, model.config, n, model.dtype)
+            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.dtype)
         cfg, variables = model.runtime[key]
         return cfg, variables, str(spec)
     cfg, variables = spec
-    if cfg.n != n:
-        raise ValueError(f"the PSM was built for n={cfg.n} stages, not n={n}")
+    check_spec(cfg, model.config, plan.counts, "(given)")
     return cfg, variables, "given"
 
 
@@ -67,7 +67,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     plan = plan_for(model, n, stage_layers)
     mesh = stage_mesh(plan.n)
     drafter = drafter or ("none" if method == "pipeline" else "psm")
-    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan.n, spec, psm_layers) if drafter == "psm"
+    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan, spec, psm_layers) if drafter == "psm"
                                     else (None, {}, None))
     anchors = psm_cfg.anchors if psm_cfg else (0,)
     layout = stages.StageLayout.of(cfg, plan, anchors)

@@ -91,7 +91,6 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     fwd = [(i, i + 1) for i in range(n - 1)]
     use_psm = ec.drafter == "psm"
     module = PSM(cfg, ec.psm) if use_psm else None
-    stair = jnp.asarray(ec.psm.staircase(lay.plan.depth_layers) if use_psm else (0,) * (n + 1), jnp.int32)
     produces = jnp.stack([jnp.any(pr["anchor_id"] == a) for a in range(m)])  # anchors this stage makes
 
     def bcast(v, src=last):
@@ -124,9 +123,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         anc_all = jax.lax.psum(anc_prompt, AXIS).at[0].set(emb)  # [m, 1, Pp, H]
 
         def psm_prefill(pc):
-            rows = module.apply(psm_vars, jnp.moveaxis(anc_all[:, 0], 0, 1), jnp.full((Pp,), m - 1, jnp.int32),
-                                method=PSM.rows)
-            return module.apply(psm_vars, rows[None], pc, jnp.int32(0), method=PSM.forward)[1]
+            return module.apply(psm_vars, jnp.moveaxis(anc_all[:, 0], 0, 1), pc, method=PSM.prefill)
 
         pcache = jax.lax.cond(is_last, psm_prefill, lambda pc: pc, pcache)
 
@@ -145,13 +142,11 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
     def draft_psm(st, loc):
         t, pc = st["t"], st["psm_len"]
-        rows_pos = pc + jnp.arange(n + 1)
-        types = jnp.where(rows_pos < st["completed"], m - 1, stair[jnp.clip(t - rows_pos, 0, n)])
+        rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
         h = st["table"][rows_pos % W].at[:, 0].set(
             decoder.embed(shared, st["seq"][jnp.clip(rows_pos, 0, S - 1)][None])[0])
-        rows = module.apply(psm_vars, h, types, method=PSM.rows)
-        hid, pcache = module.apply(psm_vars, rows[None], loc["pcache"], pc, method=PSM.forward)
-        logits = module.apply(psm_vars, hid[0, t - pc], shared["final_norm"], method=PSM.logits)
+        logits, pcache = module.apply(psm_vars, h, loc["pcache"], pc, t, st["completed"], shared["final_norm"],
+                                      method=PSM.draft_step)
         if ec.greedy:
             return jnp.argmax(logits).astype(jnp.int32), pcache, loc["qring"]
         warped = warp_logits(logits, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered)

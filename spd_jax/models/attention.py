@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -27,17 +28,10 @@ def init_kv_cache(cfg: ModelConfig, n_layers: int, batch: int, max_len: int, dty
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-              cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
-    """T new tokens at positions [pos, pos+T) over the cached positions [0, pos).
-
-    x [B, T, H] (normed); k_cache/v_cache [B, Nkv, S, D], read only (entries >= pos are ignored).
-    Returns (out [B, T, H], k_new [B, Nkv, T, D], v_new [B, Nkv, T, D]); the caller writes k_new/v_new
-    into the cache. Keeping the cache read-only here lets a layer scan leave it in place instead of
-    threading (and copying) it through the loop carry.
-    """
+def project_qkv(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
+    """x [B, T, H] (normed) at the positions cos/sin [T, R] were made for -> q [B, T, Nq, D],
+    k/v [B, T, Nkv, D], with q/k norm and RoPE applied (q not yet scaled)."""
     B, T, _ = x.shape
-    S = k_cache.shape[2]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = x @ lp["wq"]
     k = x @ lp["wk"]
@@ -50,25 +44,59 @@ def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin).astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, Nkv, T, D]
-    v = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    # Softmax over two key blocks, cached [0, pos) and new [pos, pos+T), merged with a shared max.
-    qg = q.reshape(B, T, nkv, nq // nkv, d) * jnp.asarray(d ** -0.5, q.dtype)
-    s_old = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
-    s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
-    m = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
-    p_old, p_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
-    denom = p_old.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
-    o = (jnp.einsum("bkgts,bksd->btkgd", (p_old / denom).astype(v.dtype), v_cache)
-         + jnp.einsum("bkgts,bksd->btkgd", (p_new / denom).astype(v.dtype), v))
-    o = o.reshape(B, T, nq * d)
+
+def group_queries(q: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """q [..., Nq, D] -> [..., Nkv, G, D] scaled by D^-0.5 (GQA: G query heads share a KV head)."""
+    nkv, d = cfg.num_kv_heads, cfg.head_dim
+    return q.reshape(*q.shape[:-2], nkv, cfg.num_heads // nkv, d) * jnp.asarray(d ** -0.5, q.dtype)
+
+
+def softmax_blocks(scores: list[jax.Array]) -> list[jax.Array]:
+    """One softmax over the concatenated last axes of several key blocks' float32 scores (masked
+    entries -inf, broadcastable to each other but for that axis), returned split per block. Callers
+    keep their keys in separate blocks (a cache and new rows; a shared chain and per-query rows) so
+    no block is copied to build one big key axis."""
+    m = functools.reduce(jnp.maximum, [s.max(-1, keepdims=True) for s in scores])
+    p = [jnp.exp(s - m) for s in scores]
+    denom = functools.reduce(jnp.add, [x.sum(-1, keepdims=True) for x in p])
+    return [x / denom for x in p]
+
+
+def output_projection(lp: dict, o: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """o [..., Nq*D] attention values, x [..., H] the layer's normed input (for the output gate) ->
+    [..., H]."""
     if cfg.attn_gate:
         o = o * jax.nn.sigmoid(x @ lp["wq_gate"])
     o = o @ lp["wo"]
     if cfg.o_bias:
         o = o + lp["bo"]
-    return o, k, v
+    return o
+
+
+def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
+              cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
+    """T new tokens at positions [pos, pos+T) over the cached positions [0, pos).
+
+    x [B, T, H] (normed); k_cache/v_cache [B, Nkv, S, D], read only (entries >= pos are ignored).
+    Returns (out [B, T, H], k_new [B, Nkv, T, D], v_new [B, Nkv, T, D]); the caller writes k_new/v_new
+    into the cache. Keeping the cache read-only here lets a layer scan leave it in place instead of
+    threading (and copying) it through the loop carry.
+    """
+    B, T, _ = x.shape
+    S = k_cache.shape[2]
+    q, k, v = project_qkv(lp, x, cos, sin, cfg)
+    k = k.astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, Nkv, T, D]
+    v = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+
+    # Two key blocks, cached [0, pos) and new [pos, pos+T), under one softmax.
+    qg = group_queries(q, cfg)
+    s_old = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
+    s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
+    p_old, p_new = softmax_blocks([s_old, s_new])
+    o = (jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v.dtype), v_cache)
+         + jnp.einsum("bkgts,bksd->btkgd", p_new.astype(v.dtype), v))
+    return output_projection(lp, o.reshape(B, T, cfg.q_size), x, cfg), k, v

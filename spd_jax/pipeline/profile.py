@@ -36,7 +36,7 @@ def _median_ms(fn, *args, iters: int) -> float:
 
 def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: int = 30) -> dict:
     cfg, n = model.config, plan.n
-    psm_cfg = PSMConfig.for_target(cfg, n, num_layers=psm_layers)
+    psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
     layout = stages.StageLayout.of(cfg, plan, psm_cfg.anchors)
     weights = stages.stack_stage_weights(model.params["layers"], cfg, layout)
     prog = jax.tree.map(jnp.asarray, stages.program(cfg, layout))
@@ -55,15 +55,14 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     module = PSM(cfg, psm_cfg)
     pcache = init_kv_cache(cfg, psm_cfg.num_layers, 1, context + 64, model.dtype)
     h = jnp.zeros((n + 1, psm_cfg.m, cfg.hidden_size), model.dtype)
-    types = jnp.zeros((n + 1,), jnp.int32)
 
     @jax.jit
-    def psm_draft(v, c, h, types):
-        rows = module.apply(v, h, types, method=PSM.rows)
-        hid, c = module.apply(v, rows[None], c, pos, method=PSM.forward)
-        return jnp.argmax(module.apply(v, hid[0, -1], model.params["final_norm"], method=PSM.logits))
+    def psm_draft(v, c, h):  # a full pipeline: n tokens in flight, the block starts at the oldest
+        logits, _ = module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, model.params["final_norm"],
+                                 method=PSM.draft_step)
+        return jnp.argmax(logits)
 
-    psm_ms = _median_ms(psm_draft, psm_vars, pcache, h, types, iters=iters)
+    psm_ms = _median_ms(psm_draft, psm_vars, pcache, h, iters=iters)
 
     @jax.jit
     def verify(params, x):

@@ -3,13 +3,16 @@
 Input rows, one per position: a token whose hidden states are known up to anchor b_a is projected by
 its aggregation type a: g_a = W_a concat(h_{b_0}, ..., h_{b_a}) (h_0 = the embedding). Completed
 tokens use the deepest type; an in-flight token at depth d uses f(d), the deepest type whose anchors
-it already has (the "depth staircase"). The rows run through Ls full-attention decoder layers of the
-target's kind (own KV cache, RoPE at absolute positions), the target's final norm (frozen, shared)
-and an LM head initialised from the target's. Only the newest row's output is a draft.
+it already has (the "depth staircase", fixed by the anchors and the stage plan). The rows run through
+Ls full-attention decoder layers of the target's kind (own KV cache, RoPE at absolute positions), the
+target's final norm (frozen, shared) and an LM head initialised from the target's. Only the newest
+row's output is a draft.
 
-The module is used the same way by the SPD engine (inside its jitted step) and by training, so the
-two cannot drift apart. Checkpoints are orbax + a JSON sidecar naming the target and pipeline depth
-they were trained for; loading one for another model or n is refused.
+This module is the one home of the PSM's feature code: anchor gathering (`anchor_states`), staircase
+typing (`row_types`), rows, the engine's per-cycle draft (`PSM.draft_step`) and the training forward
+(`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
+inference (tests/test_psm_train.py checks it). Checkpoints are orbax + a JSON sidecar naming the target,
+pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -25,47 +29,83 @@ import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.models import decoder
-from spd_jax.models.attention import KVCache, init_kv_cache
-from spd_jax.models.layers import rms_norm
+from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
+                                      softmax_blocks)
+from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
+
+FORMAT = 2  # psm.json layout version
 
 
-def default_anchors(num_layers: int) -> tuple[int, ...]:
+def quarter_anchors(num_layers: int) -> tuple[int, ...]:
     """The paper's anchors (0, 8, 16, 24, 31 for L = 32) scaled to L: quarters of the depth and the
     last layer's input (strictly increasing, duplicates dropped for tiny L)."""
     raw = [round(i * num_layers / 4) for i in range(4)] + [num_layers - 1]
     return tuple(sorted(set(b for b in raw if 0 <= b < num_layers)))
 
 
+def default_anchors(num_layers: int, stage_counts: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The reference code's depth-aware anchors [0, l, 3l, 6l, L-1]: the states a token has after 1, 3
+    and 6 stages (with uneven stages, the plan's own depths), so in-flight tokens use what they already
+    carry. Valid when 6 stages end before layer L-1; otherwise the quarters."""
+    if stage_counts is not None and len(stage_counts) >= 7:
+        depth = [sum(stage_counts[:d]) for d in range(len(stage_counts) + 1)]
+        cand = (0, depth[1], depth[3], depth[6], num_layers - 1)
+        if all(a < b for a, b in zip(cand, cand[1:])):
+            return cand
+    return quarter_anchors(num_layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class PSMConfig:
     anchors: tuple[int, ...]
     num_layers: int  # Ls
-    n: int  # pipeline depth the staircase is built for
+    plan: tuple[int, ...]  # layers per pipeline stage: the staircase depends on it
     target: tuple  # (model_type, hidden, layers, vocab, heads, kv heads): the target it belongs to
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, n: int, num_layers: int = 2,
-                   anchors: tuple[int, ...] | None = None) -> "PSMConfig":
-        anchors = tuple(anchors) if anchors is not None else default_anchors(cfg.num_layers)
-        if anchors[0] != 0 or list(anchors) != sorted(set(anchors)) or anchors[-1] >= cfg.num_layers + 1:
+    def for_target(cls, cfg: ModelConfig, stage_counts: Sequence[int], num_layers: int = 2,
+                   anchors: Sequence[int] | None = None) -> "PSMConfig":
+        plan = tuple(int(c) for c in stage_counts)
+        if sum(plan) != cfg.num_layers or min(plan) < 1:
+            raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
+        anchors = tuple(int(a) for a in anchors) if anchors is not None else default_anchors(cfg.num_layers, plan)
+        if anchors[0] != 0 or list(anchors) != sorted(set(anchors)) or anchors[-1] > cfg.num_layers:
             raise ValueError(f"anchors must start at 0, increase strictly and stay <= {cfg.num_layers}: {anchors}")
         if num_layers < 1:
             raise ValueError(f"the PSM needs at least one layer, got {num_layers}")
-        return cls(anchors, num_layers, n, target_signature(cfg))
+        return cls(anchors, num_layers, plan, target_signature(cfg))
+
+    @property
+    def n(self) -> int:
+        return len(self.plan)
 
     @property
     def m(self) -> int:
         return len(self.anchors)
 
-    def staircase(self, depth_layers: tuple[int, ...]) -> tuple[int, ...]:
-        """f(d) for d = 0..n-1 given the layers a token has passed at each depth, then the deepest
-        type (completed tokens) as entry n."""
-        f = [max(a for a, b in enumerate(self.anchors) if b <= depth_layers[d]) for d in range(len(depth_layers) - 1)]
-        return tuple(f) + (self.m - 1,)
+    @property
+    def staircase(self) -> tuple[int, ...]:
+        """f(d) for depths d = 0..n-1 (the deepest type whose anchors a token that passed d stages
+        has), then the deepest type (completed tokens) as entry n."""
+        depth = [sum(self.plan[:d]) for d in range(self.n)]
+        return tuple(max(a for a, b in enumerate(self.anchors) if b <= depth[d]) for d in range(self.n)) + (self.m - 1,)
 
 
 def target_signature(cfg: ModelConfig) -> tuple:
     return (cfg.model_type, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads)
+
+
+def row_types(spec: PSMConfig, depth: jax.Array, completed: jax.Array) -> jax.Array:
+    """The aggregation type of a row: the deepest type for a completed token, else f(depth). The one
+    typing rule of inference and training."""
+    stair = jnp.asarray(spec.staircase, jnp.int32)
+    return jnp.where(completed, spec.m - 1, stair[jnp.clip(depth, 0, spec.n)])
+
+
+def anchor_states(emb: jax.Array, hidden: jax.Array, anchors: Sequence[int]) -> jax.Array:
+    """emb [B, T, H] and hidden [L, B, T, H] (output of every layer, `run_layers(collect_hidden=True)`)
+    -> [B, T, m, H] with entry a = h_{b_a} (h_0 the embedding, h_k the output of layer k-1)."""
+    return jnp.stack([emb if b == 0 else hidden[b - 1] for b in anchors], axis=2)
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -106,12 +146,15 @@ class PSM(nn.Module):
                        for k, shape in _layer_shapes(self.cfg).items()}
         self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (self.cfg.vocab_size, H))
 
-    def rows(self, h: jax.Array, types: jax.Array) -> jax.Array:
-        """h [..., m, H] anchor states (absent ones may be anything: they are not read); types [...]
-        -> rows [..., H]."""
+    def project_all(self, h: jax.Array) -> jax.Array:
+        """h [..., m, H] anchor states -> [..., m, H]: every aggregation type's row (entry a reads
+        h_{b_0} .. h_{b_a} only, so absent deeper anchors may hold anything)."""
         H, m = self.cfg.hidden_size, self.spec.m
-        outs = [self.proj[a](h[..., :a + 1, :].reshape(*h.shape[:-2], (a + 1) * H)) for a in range(m)]
-        return jnp.take_along_axis(jnp.stack(outs, -2), types[..., None, None], axis=-2)[..., 0, :]
+        return jnp.stack([self.proj[a](h[..., :a + 1, :].reshape(*h.shape[:-2], (a + 1) * H)) for a in range(m)], -2)
+
+    def rows(self, h: jax.Array, types: jax.Array) -> jax.Array:
+        """h [..., m, H] anchor states; types [...] -> rows [..., H]."""
+        return _select(self.project_all(h), types)
 
     def forward(self, rows: jax.Array, cache: KVCache, pos: jax.Array, length: jax.Array | None = None):
         """rows [B, T, H] at positions [pos, pos+T) over the PSM's own cache -> (hidden [B, T, H], cache)."""
@@ -125,16 +168,116 @@ class PSM(nn.Module):
         x = rms_norm(x, final_norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
         return jnp.einsum("...h,vh->...v", x, self.lm_head, preferred_element_type=jnp.float32)
 
+    def prefill(self, h: jax.Array, cache: KVCache) -> KVCache:
+        """The prompt's rows (h [P, m, H], all completed: deepest type) into the cache at [0, P)."""
+        rows = self.rows(h, jnp.full(h.shape[:1], self.spec.m - 1, jnp.int32))
+        return self.forward(rows[None], cache, jnp.int32(0))[1]
+
+    def draft_step(self, h: jax.Array, cache: KVCache, pc: jax.Array, t: jax.Array, completed: jax.Array,
+                   final_norm: jax.Array):
+        """One cycle's draft (the engine's inference path). h [R, m, H]: anchor states of the rows at
+        positions [pc, pc+R) (cache holds the completed rows [0, pc); pc <= completed <= t < pc + R);
+        t: the newest token. Rows before `completed` are completed (deepest type, they join the cached
+        chain), rows in [completed, t] are in flight at depth t - position. -> (logits [V] of the draft
+        for t + 1, cache with the block written)."""
+        pos = pc + jnp.arange(h.shape[0])
+        rows = self.rows(h, row_types(self.spec, t - pos, pos < completed))
+        x, cache = self.forward(rows[None], cache, pc)
+        return self.logits(x[0, t - pc], final_norm), cache
+
+    def train_logits(self, h: jax.Array, fill: jax.Array, final_norm: jax.Array) -> jax.Array:
+        """The training forward: h [B, T, m, H] teacher-forced anchor states, fill [B, T] in 1..n (how
+        many tokens are in flight when position t is the newest) -> float32 logits [B, T, V], entry t
+        being exactly the draft `draft_step` makes for t + 1 at that fill.
+
+        Layout (exact for any Ls, SPD.md section 6): one shared causal chain of completed rows (deepest
+        type) at every position, plus per query position t a group of n slots, slot j = the token at
+        t - j in flight at depth j (type f(j)); slots j < fill[t] are real. A slot attends to the chain
+        up to t - fill[t] and causally to the real slots of its own group. The chain never reads a
+        group, as cached rows never read in-flight ones at inference. The last layer runs only slot 0.
+        """
+        cfg, spec = self.cfg, self.spec
+        B, T, m, H = h.shape
+        n, Ls, dt = spec.n, spec.num_layers, self.lm_head.dtype
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        g = self.project_all(h.astype(dt))  # [B, T, m, H]
+        slot = jnp.arange(n)
+        tpos = jnp.arange(T)
+        k = fill[:, :, None]  # [B, T, 1]
+        x_c = g[:, :, m - 1]
+        # slot j of group t reads position t - j (zeros before the sequence start: never a real slot)
+        shifted = jnp.stack([jnp.pad(g, ((0, 0), (j, 0), (0, 0), (0, 0)))[:, :T] for j in range(n)], 2)
+        x_g = _select(shifted, row_types(spec, jnp.broadcast_to(slot, (B, T, n)), slot >= k))  # [B, T, n, H]
+
+        real = (slot < k) & (tpos[None, :, None] - slot >= 0)  # [B, T, n]
+        gg_mask = (real[:, :, None, :] & (slot[:, None] <= slot[None, :])) | jnp.eye(n, dtype=bool)  # [B,T,J,I]
+        gc_mask = tpos[None, None, :] <= tpos[None, :, None] - k  # [B, T, S]
+        cc_mask = jnp.tril(jnp.ones((T, T), bool))
+        cos_c, sin_c = rope_cos_sin(cfg, tpos)
+        cos_g, sin_g = rope_cos_sin(cfg, (tpos[:, None] - slot[None]).reshape(-1))
+        heads = lambda a: a.reshape(B, T, n, *a.shape[2:])  # noqa: E731  [B, T*n, ...] -> [B, T, n, ...]
+
+        for layer in range(Ls):
+            lp = jax.tree.map(lambda w: w[layer], self.layers)
+            last = layer == Ls - 1
+            xn_c = rms_norm(x_c, lp["attn_norm"], eps, off)
+            q_c, k_c, v_c = project_qkv(lp, xn_c, cos_c, sin_c, cfg)  # [B, T, N, D]
+            xn_g = rms_norm(x_g, lp["attn_norm"], eps, off)
+            q_g, k_g, v_g = (heads(a) for a in project_qkv(lp, xn_g.reshape(B, T * n, H), cos_g, sin_g, cfg))
+            J = 1 if last else n
+            qg = group_queries(q_g[:, :, :J], cfg)  # [B, T, J, Nkv, G, D]
+            s_gc = jnp.einsum("btjkgd,bskd->btjkgs", qg, k_c, preferred_element_type=jnp.float32)
+            s_gg = jnp.einsum("btjkgd,btikd->btjkgi", qg, k_g, preferred_element_type=jnp.float32)
+            p_gc, p_gg = softmax_blocks([jnp.where(gc_mask[:, :, None, None, None, :], s_gc, -jnp.inf),
+                                         jnp.where(gg_mask[:, :, :J, None, None, :], s_gg, -jnp.inf)])
+            o = (jnp.einsum("btjkgs,bskd->btjkgd", p_gc.astype(dt), v_c)
+                 + jnp.einsum("btjkgi,btikd->btjkgd", p_gg.astype(dt), v_g)).reshape(B, T, J, cfg.q_size)
+            y = x_g[:, :, :J] + output_projection(lp, o, xn_g[:, :, :J], cfg)
+            x_g = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
+            if not last:  # the chain's own next layer (nothing reads it after the last)
+                qc = group_queries(q_c, cfg)
+                s = jnp.einsum("btkgd,bskd->btkgs", qc, k_c, preferred_element_type=jnp.float32)
+                (p,) = softmax_blocks([jnp.where(cc_mask[:, None, None, :], s, -jnp.inf)])
+                o = jnp.einsum("btkgs,bskd->btkgd", p.astype(dt), v_c).reshape(B, T, cfg.q_size)
+                y = x_c + output_projection(lp, o, xn_c, cfg)
+                x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
+        return self.logits(x_g[:, :, 0], final_norm)
+
     def __call__(self, h, types, cache, pos, final_norm):
         x, cache = self.forward(self.rows(h, types)[None], cache, pos)
         return self.logits(x[0], final_norm), cache
 
 
-def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32) -> dict:
-    """Random PSM weights with the LM head copied from the target's."""
+def _select(g: jax.Array, types: jax.Array) -> jax.Array:
+    """g [..., m, H], types [...] -> g[..., types, :]."""
+    return jnp.take_along_axis(g, types[..., None, None], axis=-2)[..., 0, :]
+
+
+def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
+    """The simulated pipeline fill of training (SPD.md section 6): n (a full pipeline) with probability
+    1/2, else uniform on 1..n-1 (refilling after a rejection)."""
+    if n == 1:
+        return jnp.ones(shape, jnp.int32)
+    k_full, k_part = jax.random.split(key)
+    part = jax.random.randint(k_part, shape, 1, n)
+    return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
+
+
+def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32,
+             layers_from_target: bool = False) -> dict:
+    """PSM weights: random layers and projections, the LM head copied from the target's. With
+    layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
     params = jax.tree.map(lambda t: t.astype(dtype), _init_random(cfg, spec, seed))
     head = target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
     params["lm_head"] = jnp.asarray(head, dtype)
+    if layers_from_target:
+        attn = target_params["layers"].get(ATTENTION)
+        have = 0 if attn is None else attn["wq"].shape[0]
+        if have < spec.num_layers:
+            raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
+                             f"{have} full-attention layers to copy")
+        for k in _layer_shapes(cfg):
+            params[f"layer_{k}"] = jnp.asarray(attn[k][have - spec.num_layers:], dtype)
     return {"params": params}
 
 
@@ -147,11 +290,23 @@ def _init_random(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
 
 
 class PSMCheckpointError(ValueError):
-    """A PSM checkpoint that does not belong to this target model or pipeline depth."""
+    """A PSM checkpoint that does not belong to this target model, pipeline depth or stage plan."""
 
 
-def save_psm(path: str | Path, variables: dict, spec: PSMConfig) -> None:
-    """Write variables (orbax) and the spec (JSON) to a new directory `path`."""
+def spec_to_json(spec: PSMConfig) -> dict:
+    return dict(format=FORMAT, **dataclasses.asdict(spec))
+
+
+def spec_from_json(d: dict, where: str = "") -> PSMConfig:
+    if d.get("format") != FORMAT:
+        raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
+                                 f"format {FORMAT}; retrain it with train.main")
+    return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]))
+
+
+def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None) -> None:
+    """Write variables (orbax) and the spec (JSON, plus `extra` facts such as training provenance) to a
+    new directory `path`."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -160,27 +315,46 @@ def save_psm(path: str | Path, variables: dict, spec: PSMConfig) -> None:
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", variables)
     ckptr.wait_until_finished()
-    (path / "psm.json").write_text(json.dumps(dataclasses.asdict(spec)))
+    (path / "psm.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
 
 
-def load_psm(path: str | Path, cfg: ModelConfig, n: int, dtype=jnp.float32) -> tuple[PSMConfig, dict]:
-    """Load a PSM saved by `save_psm`, refusing one trained for another target model or n."""
-    import orbax.checkpoint as ocp
-
+def read_spec(path: str | Path) -> PSMConfig:
     path = Path(path).absolute()
     meta = path / "psm.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a PSM checkpoint (no psm.json); train one with train.main")
-    d = json.loads(meta.read_text())
-    spec = PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), int(d["n"]), tuple(d["target"]))
+    return spec_from_json(json.loads(meta.read_text()), str(path))
+
+
+def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",
+               anchors: Sequence[int] | None = None) -> None:
+    """Refuse a PSM made for another target model, n, stage plan or anchors, naming the mismatch."""
     want = target_signature(cfg)
     if spec.target != want:
         names = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
         diff = [f"{k}: checkpoint {a} vs model {b}" for k, a, b in zip(names, spec.target, want) if a != b]
-        raise PSMCheckpointError(f"PSM checkpoint {path} was trained for another model ({'; '.join(diff)})")
-    if spec.n != n:
-        raise PSMCheckpointError(f"PSM checkpoint {path} was trained for n={spec.n} pipeline stages, not n={n}; "
-                                 f"run with --n {spec.n} or train a PSM for n={n}")
+        raise PSMCheckpointError(f"PSM checkpoint {where} was trained for another model ({'; '.join(diff)})")
+    plan = tuple(int(c) for c in stage_counts)
+    if spec.n != len(plan):
+        raise PSMCheckpointError(f"PSM checkpoint {where} was trained for n={spec.n} pipeline stages, not "
+                                 f"n={len(plan)}; run with --n {spec.n} or train a PSM for n={len(plan)}")
+    if spec.plan != plan:
+        raise PSMCheckpointError(f"PSM checkpoint {where} was trained for the stage plan {list(spec.plan)} "
+                                 f"(layers per stage), not {list(plan)}: its depth staircase depends on it; "
+                                 f"run with --stages {','.join(map(str, spec.plan))}")
+    if anchors is not None and tuple(anchors) != spec.anchors:
+        raise PSMCheckpointError(f"PSM checkpoint {where} reads anchors {list(spec.anchors)}, not "
+                                 f"{list(anchors)}")
+
+
+def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], dtype=jnp.float32,
+             anchors: Sequence[int] | None = None) -> tuple[PSMConfig, dict]:
+    """Load a PSM saved by `save_psm`, refusing one trained for another target, n, plan or anchors."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    spec = read_spec(path)
+    check_spec(spec, cfg, stage_counts, str(path), anchors)
     abstract = jax.eval_shape(lambda: init_psm(cfg, spec, _zeros_target(cfg)))
     variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
     return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype), variables)
@@ -191,4 +365,3 @@ def _zeros_target(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         z["lm_head"] = z["embed"]
     return z
-

@@ -1,0 +1,117 @@
+"""The PSM's training forward computes exactly what the SPD engine's PSM computes at inference.
+
+For random sequences, every position t and every pipeline fill k (tokens in flight when t is the
+newest), `PSM.train_logits` at t must equal `PSM.draft_step` (the engine's per-cycle draft, run over
+its incremental cache exactly as the engine runs it) for the block starting at the engine's possible
+cache lengths. A PSM with weights large enough that every row's type and context moves the logits
+makes the comparison sensitive; a control checks that a wrong fill is detected.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spd_jax
+from spd_jax.decode import pipelined
+from spd_jax.models import decoder
+from spd_jax.models.attention import init_kv_cache
+from spd_jax.spec.psm import PSM, PSMConfig, anchor_states, init_psm, row_types, sample_fill
+TRAIN_VS_INFERENCE = 2e-5  # moves to tests/tolerances.py
+
+T = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def deep(request, tiny_ckpt):
+    path, _ = tiny_ckpt(request.param, False, num_hidden_layers=8)
+    return spd_jax.load_model(path)
+
+
+def _sensitive_psm(model, spec, seed=0):
+    """Random PSM weights at a scale where attention is far from uniform, so a row typed or placed
+    wrongly changes the draft logits by much more than rounding."""
+    v = init_psm(model.config, spec, model.params, seed)
+    leaves, tree = jax.tree.flatten(v)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = [x + 0.3 * jax.random.normal(k, x.shape) if x.ndim == 1 else
+           jax.random.normal(k, x.shape) * (1.5 / np.sqrt(x.shape[-2]))
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def _teacher_anchors(model, tokens, anchors):
+    cfg = model.config
+    cache = decoder.init_cache(cfg, 1, tokens.shape[1], model.dtype)
+    emb = decoder.embed(model.params, tokens)
+    _, _, hidden = decoder.run_layers(model.params["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    return anchor_states(emb, hidden, anchors)  # [1, T, m, H]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_train_forward_equals_engine_draft(deep, n):
+    cfg = deep.config
+    plan = pipelined.plan_for(deep, n)
+    spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2)
+    module = PSM(cfg, spec)
+    v = _sensitive_psm(deep, spec, seed=n)
+    tokens = jax.random.randint(jax.random.key(n), (1, T), 3, cfg.vocab_size)
+    h = _teacher_anchors(deep, tokens, spec.anchors)
+    fn = deep.params["final_norm"]
+
+    train = jax.jit(lambda v, h, fill: module.apply(v, h, fill, fn, method=PSM.train_logits))
+    S = T + n + 2
+    cache0 = init_kv_cache(cfg, spec.num_layers, 1, S, jnp.float32)
+    hpad = jnp.concatenate([h[0], jnp.zeros((n + 1, *h.shape[2:]))])  # rows past T: never read by row t
+    chain_cache = jax.jit(lambda v, h, c: module.apply(v, h, c, method=PSM.prefill))(v, hpad[:T], cache0)
+
+    @jax.jit
+    def infer(v, cache, pc, t, completed):
+        block = jax.lax.dynamic_slice_in_dim(hpad, pc, n + 1)
+        return module.apply(v, block, cache, pc, t, completed, fn, method=PSM.draft_step)[0]
+
+    worst, checked, moved = 0.0, 0, 0
+    for k in range(1, n + 1):
+        got = np.asarray(train(v, h, jnp.full((1, T), k, jnp.int32))[0])
+        wrong = np.asarray(train(v, h, jnp.full((1, T), k % n + 1, jnp.int32))[0]) if n > 1 else None
+        for t in range(T):
+            completed = max(t - k + 1, 0)
+            # the engine's block starts at the completed prefix or one before it (psm_len lags a cycle)
+            for pc in sorted({completed, max(completed - 1, 0)}):
+                want = np.asarray(infer(v, chain_cache, pc, t, completed))
+                err = np.abs(got[t] - want).max()
+                worst = max(worst, err)
+                assert err <= TRAIN_VS_INFERENCE * max(1.0, np.abs(want).max()), (k, t, pc, err)
+            # control: the draft under another fill, where that changes the context
+            if wrong is not None and t >= max(k, k % n + 1):
+                checked += 1
+                moved += np.abs(wrong[t] - got[t]).max() > 100 * TRAIN_VS_INFERENCE * max(1.0, np.abs(got[t]).max())
+    # the main check fails on one position; a wrong fill must move many (peaked attention may ignore
+    # the one row a fill changes at some positions)
+    assert n == 1 or moved >= 0.5 * checked, (moved, checked)
+    print(f"n={n} {cfg.model_type}: max |train - inference| = {worst:.2e}; a wrong fill moved {moved}/{checked}")
+
+
+def test_row_types_follow_the_staircase(deep):
+    spec = PSMConfig.for_target(deep.config, pipelined.plan_for(deep, 8).counts)
+    assert spec.anchors == (0, 1, 3, 6, 7)  # [0, l, 3l, 6l, L-1] with l = 1
+    assert spec.staircase == (0, 1, 1, 2, 2, 2, 3, 4, 4)  # depth 7 has passed 7 layers: h_7 too
+    types = row_types(spec, jnp.arange(10), jnp.zeros(10, bool).at[9].set(True))
+    assert types.tolist() == [0, 1, 1, 2, 2, 2, 3, 4, 4, 4]
+    # n = 4: 6 stages do not exist, the quarters are used
+    assert PSMConfig.for_target(deep.config, (2, 2, 2, 2)).anchors == (0, 2, 4, 6, 7)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_sample_fill_distribution(n):
+    k = np.asarray(sample_fill(jax.random.key(0), (20000,), n))
+    assert k.min() >= 1 and k.max() <= n
+    if n == 1:
+        assert (k == 1).all()
+        return
+    # P(k = n) = 1/2 + 1/2 * 0 (uniform part is 1..n-1); each k < n has 1/(2(n-1))
+    assert abs((k == n).mean() - 0.5) < 0.02
+    for j in range(1, n):
+        assert abs((k == j).mean() - 0.5 / (n - 1)) < 0.02
