@@ -18,7 +18,7 @@ DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 def read_prompt_file(path: str) -> list[str]:
     """One prompt per line, or JSON lines with a `prompt`, `text`, `question` or `turns` field
-    (so the MT-Bench, GSM8K and HumanEval files under ../shared/data read directly)."""
+    (so the MT-Bench, GSM8K and HumanEval files under data/ read directly)."""
     p = Path(path)
     if not p.is_file():
         raise SystemExit(f"error: --prompt-file {path} does not exist")

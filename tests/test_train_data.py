@@ -1,4 +1,4 @@
-"""PSM training data: GSM8K train read in place, response-only loss mask."""
+"""PSM training data: GSM8K train from the repository's data/, response-only loss mask."""
 
 import numpy as np
 import pytest
@@ -12,8 +12,17 @@ def test_gsm8k_train_is_read_in_place():
 
 
 def test_missing_data_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="shared/data"):
+    with pytest.raises(FileNotFoundError, match=r"'gsm8k/train\.jsonl' not found; looked for: .*SPD_JAX_DATA"):
         list(read_gsm8k("train", root=tmp_path))
+
+
+def test_spd_jax_data_overrides_the_folder(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    monkeypatch.setenv("SPD_JAX_DATA", str(tmp_path))
+    assert list(read_gsm8k("test")) == [("1 + 1?", "#### 2")]
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):  # set means only there
+        list(read_gsm8k("train"))
 
 
 @pytest.mark.real_model

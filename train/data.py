@@ -1,8 +1,8 @@
 """Training sequences for the PSM: prompt + response token ids with a mask of response positions.
 
 The PSM is trained only where the next token is a response token (SPD.md section 6), and only on
-training data: GSM8K's train split here (never the benchmark prompts). Files are read in place from
-../shared/data; nothing is copied into the repository.
+training data: GSM8K's train split here (never the benchmark prompts). The files ship in the
+repository's data/ (sources, licences and checksums in data/README.md); `data_path` finds them.
 """
 
 from __future__ import annotations
@@ -14,16 +14,34 @@ from typing import Iterator
 
 import numpy as np
 
-# ../shared/data beside the repository; SPD_JAX_DATA points elsewhere.
-DATA_ROOT = Path(os.environ.get("SPD_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+# A workspace copy beside the repository, used only for a file the repository's data/ lacks.
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def read_gsm8k(split: str = "train", root: Path = DATA_ROOT) -> Iterator[tuple[str, str]]:
-    """(question, answer) pairs of GSM8K's `split` ("train" or "test")."""
-    path = Path(root) / "gsm8k" / f"{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the data lives in ../shared/data beside the repository "
-                                "(or set SPD_JAX_DATA to its folder)")
+def data_roots() -> list[Path]:
+    """Where data files are looked for, in order: $SPD_JAX_DATA alone when set (read at each call,
+    so it can change at run time), else the repository's data/, then ../shared/data."""
+    env = os.environ.get("SPD_JAX_DATA")
+    return [Path(env)] if env else [REPO_DATA, SHARED_DATA]
+
+
+def data_path(relative: str | Path, roots: list[Path] | None = None) -> Path:
+    """The first existing roots[i] / relative (default roots: `data_roots()`), e.g. "gsm8k/train.jsonl"."""
+    tried = [Path(r) / relative for r in (data_roots() if roots is None else roots)]
+    for p in tried:
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"data file {str(relative)!r} not found; looked for: {', '.join(map(str, tried))}. It ships in the "
+        f"repository's data/ folder ({REPO_DATA}); restore it with `git checkout -- data`, or set "
+        "SPD_JAX_DATA to a folder holding it.")
+
+
+def read_gsm8k(split: str = "train", root: Path | None = None) -> Iterator[tuple[str, str]]:
+    """(question, answer) pairs of GSM8K's `split` ("train" or "test"); root: a data folder to use
+    instead of `data_roots()`."""
+    path = data_path(f"gsm8k/{split}.jsonl", None if root is None else [Path(root)])
     with path.open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
