@@ -52,7 +52,7 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
     if isinstance(spec, (str, Path)):
         key = ("psm_checkpoint", str(Path(spec).absolute()), plan.counts)
         if key not in model.runtime:
-            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.dtype)
+            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.params, model.dtype)
         cfg, variables = model.runtime[key]
         return cfg, variables, str(spec)
     cfg, variables = spec

@@ -277,7 +277,8 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
             raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
                              f"{have} full-attention layers to copy")
         for k in _layer_shapes(cfg):
-            params[f"layer_{k}"] = jnp.asarray(attn[k][have - spec.num_layers:], dtype)
+            # a copy: training donates the PSM's buffers, which must not alias the frozen target's
+            params[f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
     return {"params": params}
 
 
@@ -347,16 +348,23 @@ def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], w
                                  f"{list(anchors)}")
 
 
-def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], dtype=jnp.float32,
-             anchors: Sequence[int] | None = None) -> tuple[PSMConfig, dict]:
-    """Load a PSM saved by `save_psm`, refusing one trained for another target, n, plan or anchors."""
+def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], target_params: dict,
+             dtype=jnp.float32, anchors: Sequence[int] | None = None) -> tuple[PSMConfig, dict]:
+    """Load a PSM saved by `save_psm`, refusing one trained for another target, n, plan or anchors. A
+    PSM saved without its LM head (psm.json "head": "shared") uses the target's, frozen in training."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, stage_counts, str(path), anchors)
+    shared = json.loads((path / "psm.json").read_text()).get("head") == "shared"
     abstract = jax.eval_shape(lambda: init_psm(cfg, spec, _zeros_target(cfg)))
+    if shared:
+        del abstract["params"]["lm_head"]
     variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    if shared:
+        head = target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
+        variables["params"]["lm_head"] = head
     return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype), variables)
 
 

@@ -1,0 +1,349 @@
+"""PSM training: the config, the data order, the jitted step, orbax checkpoints and the quick eval.
+
+The target is frozen and teacher-forced: one forward gives every anchor state and the teacher logits;
+the PSM's draft logits come from `PSM.train_logits`, the exact training counterpart of the engine's
+per-cycle draft (tests/test_psm_train.py). Loss: KL(teacher || PSM) at temperature tau, times tau^2,
+averaged over positions whose next token is a response token; top-1 agreement is logged.
+
+Batches are [B, T] with B sequences padded to one of a few length buckets (one compiled shape each),
+sharded over the mesh's `data` axis; weights are replicated. Randomness (the simulated pipeline fill)
+is keyed by (seed, step), so a resumed run and an uninterrupted one take identical steps, and the
+same global batch gives the same loss on any mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spd_jax.models import decoder
+from spd_jax.sharding import DATA
+from spd_jax.spec.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = "smollm2-135m-instruct"
+    n: int = 8  # pipeline depth the PSM is trained for
+    stages: tuple[int, ...] | None = None  # per-stage layer counts; default: what infer.generate plans
+    psm_layers: int = 2
+    anchors: tuple[int, ...] | None = None  # default: depth-aware [0, l, 3l, 6l, L-1] or quarters
+    layers_from_target: bool = True  # start the PSM layers as copies of the target's last ones
+    sources: tuple[str, ...] = ("sharegpt", "gsm8k")
+    limit: int | None = None  # conversations per source (small runs and tests)
+    max_len: int = 512  # longer conversations keep only the whole turns that fit
+    buckets: tuple[int, ...] = (128, 256, 512)
+    batch_size: int = 8  # sequences per optimiser step (global, over the data axis)
+    grad_accum: int = 1  # micro-batches of batch_size per step
+    steps: int = 2000
+    lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    tau: float = 1.0
+    seed: int = 0
+    heldout: int = 64  # conversations kept out of training for the quick eval
+    eval_every: int = 250
+    eval_prompts: int = 6
+    eval_tokens: int = 48
+    save_every: int = 50
+    keep: int = 3
+    log_every: int = 10
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown training config keys {unknown}; known: {sorted(names)}")
+        d = dict(d)
+        for k in ("stages", "anchors", "sources", "buckets"):
+            if d.get(k) is not None:
+                v = d[k]
+                d[k] = tuple(v.split(",") if isinstance(v, str) else v)
+                if k != "sources":
+                    d[k] = tuple(int(x) for x in d[k])
+        cfg = cls(**d)
+        if cfg.max_len > max(cfg.buckets):
+            raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
+        return cfg
+
+
+# ---------------------------------------------------------------- data
+
+def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached."""
+    from tqdm import tqdm
+
+    from train import data
+
+    key = hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
+                                     model.tokenizer.chat_template]).encode()).hexdigest()[:16]
+    path = cache_dir / f"corpus-{key}.npz" if cache_dir else None
+    if path and path.is_file():
+        z = np.load(path, allow_pickle=False)
+        ids, mask, off = z["ids"], z["mask"], z["offsets"]
+        return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+    readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
+    out = []
+    for src in tc.sources:
+        if src not in readers:
+            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
+        for i, msgs in enumerate(tqdm(readers[src](), desc=f"tokenising {src}", unit="conv")):
+            if tc.limit is not None and i >= tc.limit:
+                break
+            enc = data.encode_conversation(model.tokenizer, msgs, tc.max_len, model.eos_token_ids)
+            if enc is not None:
+                out.append(enc)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        off = np.cumsum([0] + [len(i) for i, _ in out])
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, ids=np.concatenate([i for i, _ in out]), mask=np.concatenate([m for _, m in out]),
+                 offsets=off)
+        tmp.replace(path)
+    return out
+
+
+def split_heldout(corpus: list, tc: TrainConfig) -> tuple[list, list]:
+    """A fixed, seed-independent held-out split (every k-th conversation) for the quick eval."""
+    if tc.heldout <= 0:
+        return corpus, []
+    stride = max(len(corpus) // tc.heldout, 2)
+    held = set(range(stride // 2, len(corpus), stride)[:tc.heldout])
+    return [c for i, c in enumerate(corpus) if i not in held], [corpus[i] for i in sorted(held)]
+
+
+def batch_order(lengths: np.ndarray, tc: TrainConfig, epoch: int) -> list[np.ndarray]:
+    """One epoch's batches (index arrays of batch_size): shuffled, then sorted by length within
+    windows of 32 batches so that a batch pads little, then the batches shuffled. Deterministic in
+    (seed, epoch): the data position of a run is just its step."""
+    rng = np.random.default_rng([tc.seed, epoch])
+    perm = rng.permutation(len(lengths))
+    B, win = tc.batch_size, 32 * tc.batch_size
+    batches = []
+    for a in range(0, len(perm) - B + 1, win):
+        chunk = perm[a:a + win]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i:i + B] for i in range(0, len(chunk) - B + 1, B)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+class Batches:
+    """The batch of micro-step i (= step * grad_accum + micro), over as many epochs as needed."""
+
+    def __init__(self, corpus: list, tc: TrainConfig):
+        if len(corpus) < tc.batch_size:
+            raise ValueError(f"{len(corpus)} training sequences are fewer than one batch ({tc.batch_size})")
+        self.corpus, self.tc = corpus, tc
+        self.lengths = np.asarray([len(i) for i, _ in corpus])
+        self._epochs: dict[int, list] = {}
+
+    def __len__(self):  # batches per epoch
+        return len(self._order(0))
+
+    def _order(self, epoch):
+        if epoch not in self._epochs:
+            self._epochs = {epoch: batch_order(self.lengths, self.tc, epoch)}
+        return self._epochs[epoch]
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        epoch, j = divmod(i, len(self))
+        idx = self._order(epoch)[j]
+        T = next(b for b in self.tc.buckets if b >= self.lengths[idx].max())
+        tokens = np.zeros((len(idx), T), np.int32)
+        mask = np.zeros((len(idx), T), bool)
+        for r, k in enumerate(idx):
+            ids, m = self.corpus[k]
+            tokens[r, :len(ids)], mask[r, :len(m)] = ids, m
+        return dict(tokens=tokens, mask=mask)
+
+
+# ---------------------------------------------------------------- the step
+
+def split_params(variables: dict) -> tuple[dict, dict]:
+    """PSM variables -> (trainable, frozen): the LM head is the target's, shared and frozen."""
+    p = dict(variables["params"])
+    head = p.pop("lm_head")
+    return p, {"lm_head": head}
+
+
+def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float):
+    """-> (sum of the masked KL, metrics sums). batch: tokens [B, T] int32, mask [B, T] bool (t predicts
+    a response token); keys [B]: one per sequence, so the simulated fill of a sequence does not depend
+    on how the batch is split over devices."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    B, T = tokens.shape
+    cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
+    emb = decoder.embed(target, tokens)
+    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    h = jax.lax.stop_gradient(anchor_states(emb, hidden, spec.anchors))
+    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
+    fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n))(keys)
+    student = PSM(cfg, spec).apply({"params": {**trainable, **frozen}}, h, fill, target["final_norm"],
+                                   method=PSM.train_logits)
+    logp = jax.nn.log_softmax(teacher / tau)
+    logq = jax.nn.log_softmax(student / tau)
+    kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
+    w = mask.astype(jnp.float32)
+    agree = (jnp.argmax(teacher, -1) == jnp.argmax(student, -1)).astype(jnp.float32)
+    kl_sum = (kl * w).sum()
+    return kl_sum, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and linear decay to zero, global-norm clipping (the reference's values
+    by default), optionally accumulating grad_accum micro-batches per update."""
+    sched = optax.join_schedules([optax.linear_schedule(0.0, tc.lr, max(tc.warmup, 1)),
+                                  optax.linear_schedule(tc.lr, 0.0, max(tc.steps - tc.warmup, 1))], [tc.warmup])
+    opt = optax.chain(optax.clip_by_global_norm(tc.clip), optax.adamw(sched, weight_decay=tc.weight_decay))
+    return optax.MultiSteps(opt, tc.grad_accum) if tc.grad_accum > 1 else opt
+
+
+def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
+    """-> jitted step(state, frozen, target, batch) -> (state, metrics); state = {params, opt, step}.
+
+    Data parallel with `shard_map`: each `data` shard computes its sequences' loss sum and gradient,
+    one all-reduce over `data` sums them (the loss is the mean over the global batch's response
+    positions), and every device applies the same update to its replica. Devices along `model` hold
+    replicas until the weights get tensor-parallel rules.
+
+    Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
+    above 1 (e.g. 4x2) hangs in the gradient all-reduce (the same program on 8x1 and 1x1, and Llama
+    on 4x2, run); tests/test_train_loop.py keeps that case out."""
+    grad_fn = jax.value_and_grad(functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau), has_aux=True)
+
+    def local(state, frozen, target, batch):
+        B = batch["tokens"].shape[0]
+        first = jax.lax.axis_index(DATA) * B
+        base = jax.random.fold_in(jax.random.key(tc.seed), state["step"])
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(first + jnp.arange(B))
+        (_, sums), grads = grad_fn(state["params"], frozen, target, batch, keys)
+        sums, grads = jax.lax.psum((sums, grads), DATA)
+        count = jnp.maximum(sums["positions"], 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = dict(loss=sums["kl_sum"] / count, agreement=sums["agree_sum"] / count,
+                       positions=sums["positions"], grad_norm=optax.global_norm(grads))
+        return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
+
+    # check_vma off: the decoder's scans start some carries (recurrent states) replicated and make them
+    # per-shard; every replicated output here is a psum or computed from psums, so it is identical.
+    smap = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(DATA)), out_specs=(P(), P()),
+                         check_vma=False)
+    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
+    return jax.jit(smap, in_shardings=(rep, rep, rep, dat), out_shardings=(rep, rep), donate_argnums=(0,))
+
+
+def init_state(model, spec: PSMConfig, tc: TrainConfig, opt) -> tuple[dict, dict]:
+    variables = init_psm(model.config, spec, model.params, seed=tc.seed, layers_from_target=tc.layers_from_target)
+    trainable, frozen = split_params(variables)
+    return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
+
+
+# ---------------------------------------------------------------- checkpoints
+
+class Checkpoints:
+    """Periodic, atomic orbax checkpoints of the training state (params, optimiser, step) plus a JSON
+    record of the run; keeps the last `keep`. A save killed midway leaves only a temporary directory,
+    which orbax ignores, so a resume continues from the previous good step."""
+
+    def __init__(self, directory: Path, tc: TrainConfig):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.mngr = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep, save_interval_steps=1,
+                                                 enable_async_checkpointing=False))
+
+    def latest(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        a = self.ocp.args
+        self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)), force=True)
+        self.mngr.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
+        a = self.ocp.args
+        out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state), meta=a.JsonRestore()))
+        return out["state"], out["meta"]
+
+
+def run_identity(model, spec: PSMConfig, tc: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed or used."""
+    from spd_jax.spec.psm import spec_to_json
+
+    return dict(spec=spec_to_json(spec), model=str(model.path), psm_layers=tc.psm_layers)
+
+
+# ---------------------------------------------------------------- quick eval and curves
+
+def eval_prompts(heldout: list, tc: TrainConfig, max_prompt: int = 120) -> list[np.ndarray]:
+    """First-turn prompts of held-out conversations (up to the assistant header), short ones first so
+    the engine compiles for few prompt buckets."""
+    out = []
+    for ids, mask in heldout:
+        first = int(np.argmax(mask))  # mask[t]: t + 1 is the response's first token
+        if mask[first] and first + 1 <= max_prompt:
+            out.append(ids[:first + 1])
+    return out[:tc.eval_prompts]
+
+
+def quick_eval(model, spec: PSMConfig, variables: dict, prompts: list[np.ndarray], tc: TrainConfig) -> dict:
+    """alpha and S0 of greedy SPD with this PSM at its n, pooled over the prompts as
+    sum(tokens) / sum(cycles) (the paper's convention)."""
+    import spd_jax
+
+    if not prompts:
+        return {}
+    tokens = cycles = 0
+    for ids in prompts:
+        res = spd_jax.generate(model, ids, tc.eval_tokens, method="spd", n=spec.n, stage_layers=spec.plan,
+                               spec=(spec, variables), stop_at_eos=False)
+        tokens += res.stats["tokens"]
+        cycles += res.stats["cycles"]
+    alpha = tokens / cycles
+    return dict(alpha=alpha, S0=alpha * sum(spec.plan) / max(spec.plan), eval_tokens=tokens, eval_cycles=cycles)
+
+
+def plot_curves(metrics_path: Path, png: Path) -> None:
+    """Loss, agreement and S0 against training positions."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(r) for r in Path(metrics_path).read_text().splitlines() if r.strip()]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    pos = [r["positions"] for r in rows]
+    ax[0].plot(pos, [r["loss"] for r in rows])
+    ax[0].set(title="KL(teacher || PSM)", xlabel="training positions", yscale="log")
+    ax[1].plot(pos, [r["agreement"] for r in rows])
+    ax[1].set(title="top-1 agreement (train batches)", xlabel="training positions")
+    ev = [r for r in rows if "S0" in r]
+    ax[2].plot([r["positions"] for r in ev], [r["S0"] for r in ev], "o-")
+    ax[2].set(title="S0 on held-out prompts (greedy)", xlabel="training positions")
+    for a in ax:
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
