@@ -94,7 +94,10 @@ def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     qg = group_queries(q, cfg)
     s_old = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     s_new = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
+    # The mask goes through an optimisation barrier: with pos a compile-time constant (prefill at 0)
+    # XLA would otherwise constant-fold the masked [B, Nkv, G, T, S] block and its max element by
+    # element, which takes seconds to minutes at compile time for long prompts.
+    s_old = jnp.where(jax.lax.optimization_barrier(jnp.arange(S) < pos), s_old, -jnp.inf)
     s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
     p_old, p_new = softmax_blocks([s_old, s_new])
     o = (jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v.dtype), v_cache)
