@@ -8,6 +8,8 @@ import pytest
 import spd_jax
 from spd_jax.models import decoder
 
+from tolerances import CACHED_VS_FULL, VS_TRANSFORMERS, assert_close
+
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5"])
 def test_prefill_then_steps_equals_full_forward(tiny_ckpt, model_type):
@@ -25,7 +27,7 @@ def test_prefill_then_steps_equals_full_forward(tiny_ckpt, model_type):
     for t in range(P, ids.shape[1]):
         logits, cache = step(m.params, jnp.asarray(ids[:, t:t + 1]), cache, jnp.int32(t), cfg=cfg)
         got.append(np.asarray(logits))
-    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=1e-5, rtol=0)
+    assert_close(np.concatenate(got, axis=1), full, CACHED_VS_FULL, depth=cfg.num_layers, what="logits")
 
 
 def test_layer_ranges_compose_and_expose_hidden_states(tiny_ckpt):
@@ -42,11 +44,11 @@ def test_layer_ranges_compose_and_expose_hidden_states(tiny_ckpt):
     for a, b in [(0, 1), (1, 4)]:
         lp, c, kinds = decoder.slice_layers(m.params["layers"], cache, cfg, a, b)
         x, _, _ = decoder.run_layers(lp, x, c, jnp.int32(0), cfg, kinds)
-    np.testing.assert_allclose(np.asarray(x), np.asarray(whole), atol=1e-5)
+    assert_close(x, whole, CACHED_VS_FULL, depth=cfg.num_layers, what="stage-split output")
 
     # hidden[i] is the output of layer i, i.e. transformers' hidden_states[i + 1] (before the final norm).
     import torch
     with torch.no_grad():
         hs = ref(torch.as_tensor(np.array(ids)), output_hidden_states=True).hidden_states
     for i in range(cfg.num_layers - 1):  # the last HF entry has the final norm applied
-        np.testing.assert_allclose(np.asarray(hidden[i]), hs[i + 1].numpy(), atol=1e-4)
+        assert_close(hidden[i], hs[i + 1].numpy(), VS_TRANSFORMERS, depth=i + 1, what=f"hidden state {i + 1}")

@@ -14,6 +14,8 @@ import spd_jax
 from spd_jax import api
 from spd_jax.decode.sampling import choose, warp_logits
 
+from tolerances import ELEMENTWISE, assert_close
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt):
@@ -95,7 +97,7 @@ def test_warp_matches_transformers_warpers(top_k, top_p):
     ours = np.asarray(warp_logits(jnp.asarray(logits), 0.7, jnp.int32(top_k), jnp.float32(top_p), True))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(t.numpy()))
     keep = ~np.isinf(ours)
-    np.testing.assert_allclose(ours[keep], t.numpy()[keep], rtol=1e-6)
+    assert_close(ours[keep], t.numpy()[keep], ELEMENTWISE, what="warped logits")
 
 
 def _draw_counts(logits, sp, greedy=False, filtered=True, n=20000):

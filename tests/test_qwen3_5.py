@@ -17,6 +17,7 @@ from spd_jax.models import decoder
 from spd_jax.models.deltanet import delta_rule_chunked, delta_rule_recurrent
 
 from conftest import edited_checkpoint, tiny_config
+from tolerances import CACHED_VS_FULL, CHUNKED_VS_RECURRENT, VS_TRANSFORMERS, assert_close
 
 
 def test_config_layer_types_and_partial_rope():
@@ -63,7 +64,7 @@ def test_multimodal_checkpoint_text_logits_match(vlm_ckpt, caplog):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(1, 29))
     with torch.no_grad():
         theirs = ref(input_ids=torch.as_tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(model.logits(ids), theirs, atol=1e-4, rtol=0)
+    assert_close(model.logits(ids), theirs, VS_TRANSFORMERS, depth=model.config.num_layers, what="logits")
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 64), (37, 64), (150, 64), (150, 16)])
@@ -82,8 +83,8 @@ def test_chunked_delta_rule_equals_recurrent(T, chunk):
     s0 = jnp.asarray(rng.normal(size=(B, Hv, Dk, Dv)), jnp.float32)
     o_r, s_r = delta_rule_recurrent(q, k, v, g, beta, s0)
     o_c, s_c = delta_rule_chunked(q, k, v, g, beta, s0, chunk=chunk)
-    np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_r), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(s_c), np.asarray(s_r), atol=2e-5)
+    assert_close(o_c, o_r, CHUNKED_VS_RECURRENT, what="outputs")
+    assert_close(s_c, s_r, CHUNKED_VS_RECURRENT, what="final state")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_rewind_restores_state_exactly(hybrid):
 
     logits_b, cache = advance(cache, b)  # rewind by 3 again, now with other tokens
     fresh = hybrid.logits(np.concatenate([np.asarray(prompt)[0], b])[None])[0, P:]
-    np.testing.assert_allclose(logits_b, fresh, atol=1e-5)
+    assert_close(logits_b, fresh, CACHED_VS_FULL, depth=cfg.num_layers, what="logits after a rewind")
     assert np.abs(logits_b - logits_a).max() > 1e-2  # the branch really differs
 
 
@@ -147,7 +148,7 @@ def test_hidden_states_follow_layer_order(hybrid, tiny_ckpt):
     with torch.no_grad():
         hs = ref(torch.as_tensor(ids), output_hidden_states=True).hidden_states
     for i in range(cfg.num_layers - 1):
-        np.testing.assert_allclose(np.asarray(hidden[i]), hs[i + 1].numpy(), atol=1e-4)
+        assert_close(hidden[i], hs[i + 1].numpy(), VS_TRANSFORMERS, depth=i + 1, what=f"hidden state {i + 1}")
 
 
 @pytest.mark.parametrize("edit,msg", [

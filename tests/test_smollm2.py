@@ -6,13 +6,14 @@ import torch
 
 import spd_jax
 
+from tolerances import VS_TRANSFORMERS, assert_close, bound
+
 pytestmark = pytest.mark.real_model
 
 CHAT = ["What is the capital of France? Answer in one sentence.",
         "Give me three tips for staying focused while studying."]
 CODE = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
         "# Python: check whether a string is a palindrome\ndef is_palindrome(s):"]
-TIE = 1e-3  # transformers' top-2 logit margin below which a different choice is a tie, not an error
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,14 @@ def test_greedy_equals_transformers(smollm2, hf_smollm2, text, chat):
     if ours == theirs:
         return
     j = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    top2 = np.sort(out.logits[j][0].float().numpy())[-2:] if j < len(out.logits) else None
-    assert top2 is not None and top2[1] - top2[0] < TIE, (
+    assert j < len(out.logits), f"lengths differ: ours {len(ours)}, transformers {len(theirs)}"
+    logits_j = out.logits[j][0].float().numpy()
+    top2 = np.sort(logits_j)[-2:]
+    # A tie: both logits may be off by the parity bound, so a margin below twice that may flip.
+    tie = 2 * bound(logits_j, VS_TRANSFORMERS, depth=smollm2.config.num_layers)
+    assert top2[1] - top2[0] < tie, (
         f"first difference at token {j}: ours {ours[j:j + 5]} vs transformers {theirs[j:j + 5]} "
-        f"(top-2 margin {None if top2 is None else top2[1] - top2[0]})")
+        f"(top-2 margin {top2[1] - top2[0]:.3g}, a tie below {tie:.3g})")
     assert ours[:j] == theirs[:j]
 
 
@@ -46,5 +51,5 @@ def test_logits_match_transformers(smollm2, hf_smollm2):
     ids = np.array([smollm2.encode("The quick brown fox jumps over the lazy dog.", chat=False)])
     with torch.no_grad():
         ref = hf_smollm2(torch.as_tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(smollm2.logits(ids), ref, atol=5e-4, rtol=0)  # fp32 rounding over 30 layers: ~1.4e-4 seen
+    assert_close(smollm2.logits(ids), ref, VS_TRANSFORMERS, depth=smollm2.config.num_layers, what="logits")
     assert (smollm2.logits(ids).argmax(-1) == ref.argmax(-1)).all()
