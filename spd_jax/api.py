@@ -187,26 +187,31 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     eos_arr = jnp.asarray(eos if eos.size else np.array([-1], np.int32))
     rt = sp.runtime()
     statics = dict(cfg=cfg, greedy=sp.greedy, filtered=sp.filtered)
-    cache = decoder.init_cache(cfg, 1, cache_len, model.dtype)
     plen = jnp.int32(P)
+    if "decode_layers" not in model.runtime:
+        model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
+    layers = model.runtime["decode_layers"]
+    head = {k: v for k, v in model.params.items() if k != "layers"}
 
-    pre_args = (model.params, prompt_arr, plen, cache, rt)
+    pre_args = (model.params, prompt_arr, plen, rt)
+    pre_statics = dict(statics, cache_len=cache_len)
     pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, *statics.items()),
-                            lambda: ar.prefill.lower(*pre_args, **statics))
+                            lambda: ar.prefill.lower(*pre_args, **pre_statics))
     loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
-    # Shapes only, for lowering: the real cache comes out of prefill (donated in, donated on).
-    loop_args = (model.params, jnp.int32(0), plen, cache, jnp.int32(max_new_tokens), eos_arr, rt)
+    # Shapes only, for lowering: the real caches come out of prefill (donated into the loop).
+    caches = jax.eval_shape(lambda: decoder.split_cache(decoder.init_cache(cfg, 1, cache_len, model.dtype), cfg))
+    loop_args = (layers, head, jnp.int32(0), plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
     loop, c2 = _compiled.get(("loop", cache_len, eos_arr.shape, model.dtype, *loop_statics.items()),
                              lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
 
     t0 = time.perf_counter()
-    first, cache = pre(*pre_args)
+    first, caches = pre(*pre_args)
     first.block_until_ready()
     t1 = time.perf_counter()
     if stream is not None:
         ar.set_stream_sink(lambda tok, i: stream(tok))
     try:
-        out, n, cache = loop(model.params, first, plen, cache, jnp.int32(max_new_tokens), eos_arr, rt)
+        out, n, _ = loop(layers, head, first, plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
         n = int(n)  # waits for the loop
         tokens = np.asarray(out[:n]).tolist()
     finally:

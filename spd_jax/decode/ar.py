@@ -4,6 +4,10 @@ The loop is a `lax.while_loop` inside one jitted program (no host round trip per
 stream sink is attached); prompt, cache and output lengths are padded to buckets so a new prompt or
 length rarely recompiles; the KV cache is donated so it is updated in place. This is the reference
 every speculative path is tested against.
+
+Prefill runs the model's stacked layers; the loop runs `decoder.decode_step` on a per-layer copy of
+the weights (`decoder.decode_layers`, built once per model by the caller) and per-layer caches, so
+a step reads each weight once, in place.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from jax.experimental import io_callback
 from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose
 from spd_jax.models import decoder
-from spd_jax.models.decoder import Cache
 
 PROMPT_BUCKET = 64
 CACHE_BUCKET = 128
@@ -43,29 +46,32 @@ def _emit(token, index):
         _stream_sink(int(token), int(index))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered"), donate_argnames=("cache",))
-def prefill(params, prompt: jax.Array, prompt_len: jax.Array, cache: Cache, sp: dict, *,
-            cfg: ModelConfig, greedy: bool, filtered: bool):
-    """prompt [1, P_pad] (valid up to prompt_len) -> (first token [], cache).
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len"))
+def prefill(params, prompt: jax.Array, prompt_len: jax.Array, sp: dict, *, cfg: ModelConfig, greedy: bool,
+            filtered: bool, cache_len: int):
+    """prompt [1, P_pad] (valid up to prompt_len) -> (first token [], per-layer caches of cache_len
+    positions, as `decode_loop` takes them).
 
     Padding positions write garbage keys past prompt_len, which decode overwrites before they are
     ever attended to (attention only reaches positions <= the query's own); recurrent layers stop
     their state at prompt_len.
     """
+    cache = decoder.init_cache(cfg, 1, cache_len, params["embed"].dtype)
     x, cache, _ = decoder.run_layers(params["layers"], decoder.embed(params, prompt), cache,
                                      jnp.int32(0), cfg, length=prompt_len)
     last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)  # [1, 1, H]
     logits = decoder.lm_logits(params, last, cfg)[0, 0]
-    return choose(logits, prompt_len, sp, greedy, filtered), cache
+    return choose(logits, prompt_len, sp, greedy, filtered), decoder.split_cache(cache, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "out_len", "stream"),
-                   donate_argnames=("cache",))
-def decode_loop(params, first: jax.Array, prompt_len: jax.Array, cache: Cache, max_new: jax.Array,
+                   donate_argnames=("caches",))
+def decode_loop(layers, head, first: jax.Array, prompt_len: jax.Array, caches: list, max_new: jax.Array,
                 eos_ids: jax.Array, sp: dict, *, cfg: ModelConfig, greedy: bool, filtered: bool,
                 out_len: int, stream: bool):
-    """Generate up to max_new tokens (first included) -> (tokens [out_len], count, cache).
+    """Generate up to max_new tokens (first included) -> (tokens [out_len], count, caches).
 
+    layers: `decoder.decode_layers`; head: embedding, final norm (and LM head); caches: prefill's.
     Token i (0-based) sits at position prompt_len + i; stops after an EOS token (which is kept).
     """
     out = jnp.zeros((out_len,), jnp.int32).at[0].set(first)
@@ -78,14 +84,14 @@ def decode_loop(params, first: jax.Array, prompt_len: jax.Array, cache: Cache, m
         return (i < max_new) & ~done
 
     def body(c):
-        i, tok, cache, out, _ = c
+        i, tok, caches, out, _ = c
         pos = prompt_len + i - 1  # position of `tok`
-        logits, cache = decoder.forward(params, tok.reshape(1, 1), cache, pos, cfg)
+        logits, caches = decoder.decode_step(layers, head, tok.reshape(1, 1), caches, pos, cfg)
         nxt = choose(logits[0, 0], pos + 1, sp, greedy, filtered)
         out = jax.lax.dynamic_update_index_in_dim(out, nxt, i, 0)
         if stream:
             io_callback(_emit, None, nxt, i, ordered=True)
-        return i + 1, nxt, cache, out, jnp.any(nxt == eos_ids)
+        return i + 1, nxt, caches, out, jnp.any(nxt == eos_ids)
 
-    n, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, cache, out, done0))
-    return out, n, cache
+    n, _, caches, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, caches, out, done0))
+    return out, n, caches

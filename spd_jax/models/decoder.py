@@ -15,8 +15,9 @@ Params pytree (what `spd_jax.convert` produces):
             w_b, w_a [n, H, Hv]; dt_bias, A_log [n, Hv]; norm_w [n, Dv]; w_out [n, Hv*Dv, H]
 
 `run_layers` runs any contiguous range of layers given that range's weights and caches (`slice_layers`
-cuts them), so a pipeline stage runs exactly its own layers. This module knows nothing about
-sampling, pipelines or checkpoints.
+cuts them), so a pipeline stage runs exactly its own layers. `decode_step` is the one-token step on
+a per-layer copy of the weights (`decode_layers`) and caches (`split_cache`), the layout a decode
+loop reads fastest on the CPU. This module knows nothing about sampling, pipelines or checkpoints.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models.attention import KVCache, attention, init_kv_cache
+from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
+                                      softmax_blocks)
 from spd_jax.models.deltanet import LinearState, gated_deltanet, init_linear_state, read_slot, write_slot
-from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
+from spd_jax.models.layers import apply_rope, mlp, rms_norm, rope_cos_sin
 
 Params = dict
 
@@ -148,3 +150,115 @@ def forward(params: Params, tokens: jax.Array, cache: Cache, pos: jax.Array, cfg
     """
     x, cache, _ = run_layers(params["layers"], embed(params, tokens), cache, pos, cfg)
     return lm_logits(params, x, cfg), cache
+
+
+# ---------------------------------------------------------------- one-token decoding, one buffer per layer
+#
+# A step reads every weight once, so a decode loop is as fast as the weights stream from memory,
+# unless XLA adds traffic. On the CPU it does, with the stacked layout: it copies a layer's slice out
+# of a stacked weight before the matmuls (in a scan or at static indices), and it copies a whole
+# cache when the write of the new key cannot be shown to follow the reads of the old ones. Here each
+# layer's weights and caches are separate buffers, the q/k/v projections are one matmul (small
+# matrices run far below the memory bandwidth), and every cache write depends on the layer's output.
+
+
+def decode_layers(layers: Params, cfg: ModelConfig) -> list[Params]:
+    """Per-kind stacks -> one weight dict per layer (model order, no leading axis), a copy for
+    `decode_step`. Attention layers hold w_qkv [H, (Nq + 2 Nkv) D] (and b_qkv) instead of wq/wk/wv."""
+    seen = {ATTENTION: 0, LINEAR: 0}
+    out = []
+    for kind in cfg.layer_types:
+        i = seen[kind]
+        seen[kind] += 1
+        lp = {k: v[i] for k, v in layers[kind].items()}
+        if kind == ATTENTION:
+            lp["w_qkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
+            if cfg.qkv_bias:
+                lp["b_qkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+        out.append(lp)
+    return out
+
+
+def split_cache(cache: Cache, cfg: ModelConfig) -> list[KVCache | LinearState]:
+    """A whole model's `Cache` -> one cache per layer in model order: KVCache k/v [B, Nkv, S, D] or a
+    one-layer LinearState (conv [1, R, B, K-1, C], ssm [1, R, B, Hv, Dk, Dv])."""
+    seen = {ATTENTION: 0, LINEAR: 0}
+    out = []
+    for kind in cfg.layer_types:
+        i = seen[kind]
+        seen[kind] += 1
+        if kind == ATTENTION:
+            out.append(KVCache(cache.kv.k[i], cache.kv.v[i]))
+        else:
+            out.append(jax.tree.map(lambda t: t[i:i + 1], cache.linear))
+    return out
+
+
+def _after(t: jax.Array, x: jax.Array) -> jax.Array:
+    """t, made data-dependent on x without changing it (0 * x is exactly 0 for finite x).
+
+    A cache write whose value does not depend on the layer's output may be scheduled before the
+    layer reads the cache; XLA then copies the whole cache to keep the old entries, every step."""
+    return t + (jnp.zeros((), x.dtype) * x.reshape(-1)[0]).astype(t.dtype)
+
+
+def _attention_step(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: jax.Array, sin: jax.Array,
+                    cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """`attention_layer` for one token (x [B, 1, H]) at pos, on `decode_layers` weights; writes the
+    token's key/value at pos. Same math as `attention.attention`: one softmax over the cached
+    block [0, pos) and the new key."""
+    B = x.shape[0]
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    qkv = h @ lp["w_qkv"]
+    if cfg.qkv_bias:
+        qkv = qkv + lp["b_qkv"]
+    q = qkv[..., :nq * d].reshape(B, 1, nq, d)
+    k = qkv[..., nq * d:(nq + nkv) * d].reshape(B, 1, nkv, d)
+    v = qkv[..., (nq + nkv) * d:].reshape(B, 1, nkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k = k[:, 0].astype(kv.k.dtype)  # [B, Nkv, D]
+    v = v[:, 0].astype(kv.v.dtype)
+
+    qg = group_queries(q[:, 0], cfg)  # [B, Nkv, G, D]
+    S = kv.k.shape[2]
+    s_old = jnp.einsum("bkgd,bksd->bkgs", qg, kv.k, preferred_element_type=jnp.float32)
+    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
+    s_new = jnp.einsum("bkgd,bkd->bkg", qg, k, preferred_element_type=jnp.float32)[..., None]
+    p_old, p_new = softmax_blocks([s_old, s_new])
+    o = (jnp.einsum("bkgs,bksd->bkgd", p_old.astype(v.dtype), kv.v)
+         + p_new.astype(v.dtype) * v[:, :, None, :])
+    x = x + output_projection(lp, o.reshape(B, 1, nq * d), h, cfg)
+    x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg)
+    kv = KVCache(jax.lax.dynamic_update_slice(kv.k, _after(k, x)[:, :, None], (0, 0, pos, 0)),
+                 jax.lax.dynamic_update_slice(kv.v, _after(v, x)[:, :, None], (0, 0, pos, 0)))
+    return x, kv
+
+
+def _linear_step(lp: Params, x: jax.Array, lin: LinearState, pos: jax.Array,
+                 cfg: ModelConfig) -> tuple[jax.Array, LinearState]:
+    conv_prev, s_prev = read_slot(lin, pos)
+    x, conv_new, s_new = linear_layer(lp, x, conv_prev[0], s_prev[0], None, cfg)
+    return x, write_slot(lin, _after(conv_new, x)[None], _after(s_new, x)[None], pos)
+
+
+def decode_step(layers: list[Params], params: Params, token: jax.Array, caches: list, pos: jax.Array,
+                cfg: ModelConfig) -> tuple[jax.Array, list]:
+    """token [B, 1] at pos -> (logits [B, 1, V] float32, caches with pos written).
+
+    layers: `decode_layers` of params["layers"]; caches: `split_cache`'s list (ring states as in
+    `init_cache`). params supplies the embedding, final norm and LM head. Unrolled over layers:
+    compile time grows with depth, and that buys reading each weight once, in place."""
+    x = embed(params, token)
+    cos, sin = rope_cos_sin(cfg, pos + jnp.arange(1))
+    out = []
+    for lp, kind, c in zip(layers, cfg.layer_types, caches):
+        if kind == ATTENTION:
+            x, c = _attention_step(lp, x, c, pos, cos, sin, cfg)
+        else:
+            x, c = _linear_step(lp, x, c, pos, cfg)
+        out.append(c)
+    return lm_logits(params, x, cfg), out
