@@ -154,7 +154,8 @@ def test_packaged_sharegpt_file():
 def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
     out = tmp_path / "run"
     common = [sys.executable, "-m", "train.main", "--config", str(ROOT / "configs/train/smollm2-n8.yaml"),
-              "--mesh", "8x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[256]", "max_len=256",
+              "--mesh", "2x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[192]", "max_len=192",
+              "batch_size=2",
               "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=2", "heldout=4",
               "log_every=1"]
     env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")

@@ -53,6 +53,7 @@ def load_config(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
     raw = load_config(args)
 
     from spd_jax.sharding import parse_mesh, request_cpu_devices
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     model = spd_jax.load_model(tc.model)
     plan = pipelined.plan_for(model, tc.n, tc.stages)
     spec = PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors)
-    identity = loop.run_identity(model, spec, tc)
+    identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
     if ckpts.latest() is not None and not args.resume:
         raise SystemExit(f"error: {out} already holds a run (step {ckpts.latest()}); pass --resume to continue it "
