@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=8, help="pipeline stages, one device each (spd, pipeline)")
     ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
-    ap.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: a random PSM, lossless "
-                                                 "but with low acceptance)")
+    ap.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
+                                                 "for the default model at this n, else a random one)")
+    ap.add_argument("--random-psm", action="store_true",
+                    help="spd with a randomly initialised PSM (lossless, few drafts accepted: for testing)")
     ap.add_argument("--psm-layers", type=int, default=2, help="decoder layers of a random PSM")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             texts = args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT])
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
+        # no --spec: the API takes the PSM shipped for this model and n, else a random one (with a notice)
+        spec = "random" if args.random_psm else args.spec
         for text, ids in jobs:
             stream = None if args.json or args.mode != "ar" else _TextStream(model)
             if not args.json:
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
                                    stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
-                                   n=args.n, stage_layers=args.stages, spec=args.spec, psm_layers=args.psm_layers)
+                                   n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers)
             out_text = model.decode(res.token_ids)
             if args.json:
                 print(json.dumps(dict(prompt=text, prompt_ids=list(map(int, ids)), token_ids=res.token_ids,

@@ -149,9 +149,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     token id as it commits (a host callback from inside the on-device loop; "ar" only).
     method: "ar" (plain autoregressive), "pipeline" (n stages, one token in flight) or "spd"
     (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
-    stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: a random
-    PSM), psm_layers (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with
-    oracle_tokens, for tests).
+    stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: the PSM
+    shipped for a default model at this n, else a random one; "random": an untrained PSM), psm_layers
+    (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests).
     Returns the generated ids and stats (tokens, timings and what they include).
     """
     if method not in METHODS:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import spd_jax
+from spd_jax.spec.psm import shipped_psm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +33,11 @@ def test_json_output_with_prompt_ids(tiny_ckpt):
     assert obj["token_ids"] == spd_jax.generate(model, [1, 5, 9], 12, stop_at_eos=False).token_ids
     s = obj["stats"]
     assert s["tokens"] == 12 and s["tokens_per_s"] > 0 and "excludes compilation" in s["timing_includes"]
+    # spd with an explicitly untrained PSM (no PSM ships for this model) gives the same tokens
+    p = run_cli("--model", str(path), "--n", "2", "--random-psm", "--prompt-ids", "1,5,9", "--max-new-tokens", "12",
+                "--no-eos", "--json")
+    spd = json.loads(p.stdout.strip().splitlines()[-1])
+    assert spd["token_ids"] == obj["token_ids"] and spd["stats"]["psm"] == "random"
 
 
 def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
@@ -74,7 +80,9 @@ def test_default_model_spd_on_8_devices_equals_ar(smollm2):
     ar = json.loads(run_cli("--mode", "ar", *args).stdout.strip().splitlines()[-1])
     assert spd["token_ids"] == ar["token_ids"] and spd["text"] == ar["text"]
     s = spd["stats"]
-    assert s["n"] == 8 and s["stage_layers"] == [3, 3, 4, 4, 4, 4, 4, 4] and s["psm"] == "random"
+    assert s["n"] == 8 and s["stage_layers"] == [3, 3, 4, 4, 4, 4, 4, 4]
+    shipped = shipped_psm("smollm2-135m-instruct", 8)  # the trained PSM by default, once one ships
+    assert s["psm"] == (str(shipped) if shipped else "random")
     assert s["tokens"] == len(ar["token_ids"]) and s["cycles"] >= s["tokens"] and 0 < s["alpha"] <= 1
     pipe = json.loads(run_cli("--mode", "pipeline", "--n", "4", *args).stdout.strip().splitlines()[-1])
     assert pipe["token_ids"] == ar["token_ids"]

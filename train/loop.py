@@ -43,6 +43,7 @@ class TrainConfig:
     psm_layers: int = 2
     anchors: tuple[int, ...] | None = None  # default: depth-aware [0, l, 3l, 6l, L-1] or quarters
     layers_from_target: bool = True  # start the PSM layers as copies of the target's last ones
+    init_from: str | None = None  # warm start from an exported PSM (same target, n, plan, anchors)
     sources: tuple[str, ...] = ("sharegpt", "gsm8k")
     limit: int | None = None  # conversations per source (small runs and tests)
     max_len: int = 512  # longer conversations keep only the whole turns that fit
@@ -251,7 +252,14 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
 
 
 def init_state(model, spec: PSMConfig, tc: TrainConfig, opt) -> tuple[dict, dict]:
-    variables = init_psm(model.config, spec, model.params, seed=tc.seed, layers_from_target=tc.layers_from_target)
+    if tc.init_from:
+        from spd_jax.spec.psm import load_psm
+
+        _, variables = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
+        variables = jax.tree.map(lambda t: jnp.array(t, copy=True), variables)  # donated: no aliasing
+    else:
+        variables = init_psm(model.config, spec, model.params, seed=tc.seed,
+                             layers_from_target=tc.layers_from_target)
     trainable, frozen = split_params(variables)
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
 

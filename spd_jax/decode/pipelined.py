@@ -24,7 +24,7 @@ from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.mesh import AXIS, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.spec.psm import PSMConfig, check_spec, init_psm, load_psm
+from spd_jax.spec.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,19 @@ def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StageP
 
 
 def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
-    """spec: None (random init, seed 0: the PSM is a model, not sampling randomness), a checkpoint
-    path, or (PSMConfig, variables). -> (config, vars, label)."""
+    """spec: None (the PSM shipped for this default model and n if any, else a random one), "random" (a
+    random PSM, seed 0: the PSM is a model, not sampling randomness), a checkpoint path, or
+    (PSMConfig, variables).
+    -> (config, vars, label)."""
     n = plan.n
+    if isinstance(spec, str) and spec == "random":
+        spec = None
+    elif spec is None:  # the PSM shipped for a default model at this n, else a random one
+        from spd_jax.convert.defaults import canonical_name
+
+        spec = shipped_psm(canonical_name(model.path.name), n)
+        if spec is not None and read_spec(spec).plan != plan.counts:
+            spec = None  # shipped for the default plan; an explicit other plan gets a random PSM
     if spec is None:
         cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
         log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "

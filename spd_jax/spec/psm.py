@@ -34,6 +34,14 @@ from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, out
 from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
 
 FORMAT = 2  # psm.json layout version
+# Trained PSMs shipped with the package, one directory per (default model, n): "<model>-n<n>".
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "psms"
+
+
+def shipped_psm(model_name: str | None, n: int) -> Path | None:
+    """The trained PSM shipped for a known default model at n stages, if there is one."""
+    p = SHIPPED_DIR / f"{model_name}-n{n}"
+    return p if model_name and (p / "psm.json").is_file() else None
 
 
 def quarter_anchors(num_layers: int) -> tuple[int, ...]:
