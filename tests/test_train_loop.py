@@ -15,12 +15,12 @@ import pytest
 import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.sharding import data_model_mesh, parse_mesh
-from spd_jax.spec.psm import PSMCheckpointError, PSMConfig, check_spec
+from spd_jax.spec.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
 from train import loop
+from tolerances import CACHED_VS_FULL, assert_close
 from train.data import read_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-MESH_LOSS = 1e-5  # fp32 reductions split over devices in another order (relative to a loss near 1)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -83,8 +83,8 @@ def test_loss_decreases(deep):
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
     runs = {m: _run(llama, tc, spec, opt, m, 3)[2] for m in ("8x1", "4x2", "1x1")}
-    for m in ("4x2", "1x1"):
-        np.testing.assert_allclose(runs[m], runs["8x1"], rtol=MESH_LOSS, err_msg=m)
+    for m in ("4x2", "1x1"):  # the same sums, split over devices and reduced in another order
+        assert_close(runs[m], runs["8x1"], CACHED_VS_FULL, what=f"losses on {m} vs 8x1")
 
 
 def test_checkpoint_roundtrip_and_resume(llama, tmp_path):
@@ -157,20 +157,18 @@ def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
               "--mesh", "2x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[192]", "max_len=192",
               "batch_size=2",
               "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=2", "heldout=4",
-              "log_every=1"]
+              "log_every=1", "n=2"]  # n=2: the quick eval's engine compiles fast; n=8 is the CLI test's
     env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
     r = subprocess.run(common + ["--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    r2 = subprocess.run(common + ["--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r2.returncode != 0 and "pass --resume" in r2.stderr
+    # the quick eval at step 3 runs the SPD engine with the trained weights
     r = subprocess.run(common + ["--steps", "3", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]
-    assert "S0" in rows[-1] and (out / "curves.png").is_file()
-    # the exported PSM (head shared with the target) decodes losslessly through the engine
-    ids = smollm2.encode("What is 2 + 3?")
-    ref = spd_jax.generate(smollm2, ids, 12, stop_at_eos=False).token_ids
-    res = spd_jax.generate(smollm2, ids, 12, method="spd", n=8, spec=out / "psm", stop_at_eos=False)
-    assert res.token_ids == ref
+    assert "S0" in rows[-1] and rows[-1]["eval_tokens"] == 8 and (out / "curves.png").is_file()
+    # the exported PSM (bf16, head shared with the target) loads for this model and plan, with the head
+    spec, v = load_psm(out / "psm", smollm2.config, (15, 15), smollm2.params)
+    assert spec.plan == (15, 15) and spec.anchors == (0, 8, 15, 22, 29)  # n < 7: the quarters
+    assert np.array_equal(v["params"]["lm_head"], smollm2.params["embed"])  # SmolLM2 ties its head
