@@ -60,6 +60,19 @@ def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+def cache_free_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt, each from a full forward from position 0 (no cache). Every
+    forward has the final length (padded with token 0), so it compiles once: causal logits at t do not
+    depend on the tokens after t."""
+    import numpy as np
+
+    seq = np.zeros((1, len(prompt) + n), np.int64)
+    seq[0, :len(prompt)] = prompt
+    for t in range(len(prompt), len(prompt) + n):
+        seq[0, t] = int(model.logits(seq)[0, t - 1].argmax())
+    return seq[0, len(prompt):].tolist()
+
+
 def save_hf(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     return path

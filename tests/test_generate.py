@@ -14,6 +14,7 @@ import spd_jax
 from spd_jax import api
 from spd_jax.decode.sampling import choose, warp_logits
 
+from conftest import cache_free_greedy
 from tolerances import ELEMENTWISE, assert_close
 
 
@@ -37,10 +38,7 @@ def test_greedy_matches_cache_free_argmax_loop(tiny):
     model, _ = tiny
     prompt = [3, 4, 5]
     ours = spd_jax.generate(model, prompt, max_new_tokens=25, stop_at_eos=False).token_ids
-    seq = list(prompt)
-    for _ in range(25):
-        seq.append(int(model.logits(np.array([seq]))[0, -1].argmax()))
-    assert ours == seq[len(prompt):]
+    assert ours == cache_free_greedy(model, prompt, 25)
 
 
 def test_eos_stops_and_is_kept(tiny):
