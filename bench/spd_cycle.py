@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    from spd_jax.pipeline.mesh import request_cpu_devices
+    from spd_jax.sharding import request_cpu_devices
 
     request_cpu_devices(args.n)
     import logging

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.mode != "ar":
         # On a CPU-only host the n stages are n host devices; this must precede JAX's initialisation.
-        from spd_jax.pipeline.mesh import request_cpu_devices
+        from spd_jax.sharding import request_cpu_devices
 
         request_cpu_devices(args.n)
     import spd_jax  # after argument parsing: --help stays instant

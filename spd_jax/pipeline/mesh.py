@@ -8,12 +8,6 @@ from jax.sharding import AxisType
 AXIS = "stage"
 
 
-def request_cpu_devices(n: int) -> None:
-    """Ask for n host (CPU) devices. Must run before JAX initialises its backends (the CLI does it
-    first thing); it changes nothing on GPU/TPU backends, whose devices are real."""
-    jax.config.update("jax_num_cpu_devices", max(int(n), 1))
-
-
 def stage_mesh(n: int):
     """A 1-D mesh of the first n devices along `stage`, with a clear error when there are too few."""
     devices = jax.devices()
