@@ -30,16 +30,17 @@ def deep(request, tiny_ckpt):
     return spd_jax.load_model(path)
 
 
-def _sensitive_psm(model, spec, seed=0):
+def _sensitive_psm(model, spec, seed=0, vocab_ids=None):
     """Random PSM weights at a scale where attention is far from uniform, so a row typed or placed
     wrongly changes the draft logits by much more than rounding."""
-    v = init_psm(model.config, spec, model.params, seed)
-    leaves, tree = jax.tree.flatten(v)
+    v = init_psm(model.config, spec, model.params, seed, vocab_ids=vocab_ids)
+    params = v["params"]
+    leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     out = [x + 0.3 * jax.random.normal(k, x.shape) if x.ndim == 1 else
            jax.random.normal(k, x.shape) * (1.5 / np.sqrt(x.shape[-2]))
            for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, out)
+    return {**v, "params": jax.tree.unflatten(tree, out)}
 
 
 def _teacher_anchors(model, tokens, anchors):
@@ -52,11 +53,23 @@ def _teacher_anchors(model, tokens, anchors):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_train_forward_equals_engine_draft(deep, n):
+    _check_train_equals_engine(deep, n)
+
+
+def test_train_forward_equals_engine_draft_with_draft_vocabulary(deep):
+    """Over a draft vocabulary the training logits [V'] are the engine's at those ids; elsewhere the
+    engine's draft is -inf (q = 0)."""
+    ids = np.sort(np.random.default_rng(0).choice(deep.config.vocab_size, deep.config.vocab_size // 3, False))
+    _check_train_equals_engine(deep, 4, ids)
+
+
+def _check_train_equals_engine(deep, n, vocab_ids=None):
     cfg = deep.config
     plan = pipelined.plan_for(deep, n)
-    spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2)
+    spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2,
+                                draft_vocab=0 if vocab_ids is None else len(vocab_ids))
     module = PSM(cfg, spec)
-    v = _sensitive_psm(deep, spec, seed=n)
+    v = _sensitive_psm(deep, spec, seed=n, vocab_ids=vocab_ids)
     tokens = jax.random.randint(jax.random.key(n), (1, T), 3, cfg.vocab_size)
     h = _teacher_anchors(deep, tokens, spec.anchors)
     fn = deep.params["final_norm"]
@@ -81,6 +94,11 @@ def test_train_forward_equals_engine_draft(deep, n):
         cases = [(pc, t, max(t - k + 1, 0)) for t in range(T) for pc in (max(t - k + 1, 0), max(t - k, 0))]
         pcs, ts, comps = (jnp.asarray(c, jnp.int32) for c in zip(*cases))
         wants = np.asarray(infer_all(v, chain_cache, pcs, ts, comps))
+        if vocab_ids is not None:
+            off = np.ones(cfg.vocab_size, bool)
+            off[vocab_ids] = False
+            assert np.isneginf(wants[..., off]).all()
+            wants = wants[..., vocab_ids]
         for (pc, t, _), want in zip(cases, wants):
             # one function, its softmax blocks split differently (the same kind as cached vs full)
             err = assert_close(got[t], want, CACHED_VS_FULL, spec.num_layers, f"k={k} t={t} pc={pc}")

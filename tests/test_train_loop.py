@@ -80,6 +80,50 @@ def test_loss_decreases(deep):
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
 
+def test_draft_vocabulary_ids():
+    ids = np.array([5, 1, 2, 2, 3, 3, 3, 4, 4, 4, 4], np.int32)
+    mask = np.ones(len(ids), bool)
+    mask[:2] = False  # tokens 5 (not predicted) and 1 (prompt only) are not response tokens
+    got = loop.draft_vocab_ids([(ids, mask)], 3, 8, always=(7,))
+    assert got.tolist() == [3, 4, 7]  # the two most frequent response tokens, then EOS in place of 2
+    assert loop.draft_vocab_ids([(ids, mask)], 4, 8).tolist() == [0, 2, 3, 4]  # ties to the lower id
+    with pytest.raises(ValueError, match="draft_vocab 9"):
+        loop.draft_vocab_ids([(ids, mask)], 9, 8)
+
+
+def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
+    """A PSM over a draft vocabulary learns, exports with the target's head shared, loads with the
+    head's rows at its ids, and SPD with it commits exactly the autoregressive tokens."""
+    cfg = llama.config
+    tc, _, opt = _setup(llama, draft_vocab=cfg.vocab_size // 2)
+    plan = pipelined.plan_for(llama, 4)
+    spec = PSMConfig.for_target(cfg, plan.counts, tc.psm_layers, draft_vocab=tc.draft_vocab)
+    corpus = _corpus(cfg.vocab_size)
+    ids = loop.draft_vocab_ids(corpus, spec.draft_vocab, cfg.vocab_size, llama.eos_token_ids)
+    state, frozen = loop.init_state(llama, spec, tc, opt, ids)
+    step = loop.make_step(cfg, spec, tc, opt, data_model_mesh(1, 1))
+    batches = loop.Batches(corpus, tc)
+    losses = []
+    for i in range(20):
+        state, met = step(state, frozen, llama.params, batches.get(i))
+        losses.append(float(met["loss"]))
+    assert np.mean(losses[-4:]) < 0.7 * np.mean(losses[:4]), losses
+
+    from spd_jax.spec.psm import save_psm
+
+    v = loop.join_params(state["params"], frozen)
+    save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,
+             extra=dict(head="shared"))
+    spec2, v2 = load_psm(tmp_path / "psm", cfg, plan.counts, llama.params)
+    assert spec2 == spec and v2["vocab"]["ids"].dtype == jnp.int32
+    assert np.array_equal(v2["vocab"]["ids"], ids)
+    assert np.array_equal(v2["params"]["lm_head"], np.asarray(llama.params["lm_head"])[ids])
+    prompt = corpus[0][0][:12]
+    want = spd_jax.generate(llama, prompt, 16, stop_at_eos=False).token_ids
+    res = spd_jax.generate(llama, prompt, 16, method="spd", n=4, spec=str(tmp_path / "psm"), stop_at_eos=False)
+    assert res.token_ids == want and res.stats["accepted"] > 0
+
+
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
     runs = {m: _run(llama, tc, spec, opt, m, 3)[2] for m in ("8x1", "4x2", "1x1")}
@@ -157,7 +201,8 @@ def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
               "--mesh", "2x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[192]", "max_len=192",
               "batch_size=2",
               "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=2", "heldout=4",
-              "log_every=1", "n=2"]  # n=2: the quick eval's engine compiles fast; n=8 is the CLI test's
+              "log_every=1", "n=2",  # n=2: the quick eval's engine compiles fast; n=8 is the CLI test's
+              "draft_vocab=4096"]
     env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
     r = subprocess.run(common + ["--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -171,4 +216,6 @@ def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
     # the exported PSM (bf16, head shared with the target) loads for this model and plan, with the head
     spec, v = load_psm(out / "psm", smollm2.config, (15, 15), smollm2.params)
     assert spec.plan == (15, 15) and spec.anchors == (0, 8, 15, 22, 29)  # n < 7: the quarters
-    assert np.array_equal(v["params"]["lm_head"], smollm2.params["embed"])  # SmolLM2 ties its head
+    assert spec.draft_vocab == 4096 and v["vocab"]["ids"].shape == (4096,)
+    # SmolLM2 ties its head: the draft vocabulary's rows of the embedding
+    assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])

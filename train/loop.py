@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ class TrainConfig:
     psm_layers: int = 2
     anchors: tuple[int, ...] | None = None  # default: depth-aware [0, l, 3l, 6l, L-1] or quarters
     layers_from_target: bool = True  # start the PSM layers as copies of the target's last ones
+    # V': head over the V' most frequent response tokens of the training data (0: the whole vocabulary);
+    # the loss is then the KL of the teacher restricted (renormalised) to them
+    draft_vocab: int = 0
     init_from: str | None = None  # warm start from an exported PSM (same target, n, plan, anchors)
     sources: tuple[str, ...] = ("sharegpt", "gsm8k")
     limit: int | None = None  # conversations per source (small runs and tests)
@@ -56,6 +59,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 1.0
     tau: float = 1.0
+    # Matmul precision of the teacher and the PSM (master weights, optimiser and loss stay float32).
+    # bfloat16 is for TPU and GPU; on XLA:CPU the whole step ran 0.91x as fast as in float32 even on a
+    # Zen 4 with AVX512-BF16, where a lone bf16 matmul runs 1.8x (python -m bench.train_step).
+    compute_dtype: str = "float32"
     seed: int = 0
     heldout: int = 64  # conversations kept out of training for the quick eval
     eval_every: int = 250
@@ -78,6 +85,12 @@ class TrainConfig:
                 d[k] = tuple(v.split(",") if isinstance(v, str) else v)
                 if k != "sources":
                     d[k] = tuple(int(x) for x in d[k])
+        for f in dataclasses.fields(cls):  # YAML reads "3e-4" (no dot) as a string
+            if f.name in d and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+                try:
+                    d[f.name] = type(f.default)(d[f.name])
+                except (TypeError, ValueError):
+                    raise ValueError(f"training config {f.name}={d[f.name]!r} is not a {type(f.default).__name__}")
         cfg = cls(**d)
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
@@ -118,6 +131,21 @@ def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list
                  offsets=off)
         tmp.replace(path)
     return out
+
+
+def draft_vocab_ids(corpus: list, size: int, vocab_size: int, always: Sequence[int] = ()) -> np.ndarray:
+    """The draft vocabulary: the `size` tokens most often predicted at response positions of the
+    corpus [(ids, mask)] (ties to the lower id), with the `always` tokens (EOS: a draft must be able
+    to end a reply) in place of the rarest ones. -> sorted int32 [size]."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft_vocab {size} must be in 1..{vocab_size}")
+    counts = np.zeros(vocab_size, np.int64)
+    for ids, mask in corpus:
+        np.add.at(counts, ids[1:][mask[:-1]], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    always = [int(t) for t in dict.fromkeys(always) if 0 <= t < vocab_size]
+    chosen = [int(t) for t in order if t not in always][: size - len(always)] + always
+    return np.sort(np.asarray(chosen, np.int32))
 
 
 def split_heldout(corpus: list, tc: TrainConfig) -> tuple[list, list]:
@@ -177,10 +205,16 @@ class Batches:
 # ---------------------------------------------------------------- the step
 
 def split_params(variables: dict) -> tuple[dict, dict]:
-    """PSM variables -> (trainable, frozen): the LM head is the target's, shared and frozen."""
+    """PSM variables -> (trainable params, frozen variables): the LM head is the target's (its draft
+    vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
     p = dict(variables["params"])
     head = p.pop("lm_head")
-    return p, {"lm_head": head}
+    return p, {**variables, "params": {"lm_head": head}}
+
+
+def join_params(trainable: dict, frozen: dict) -> dict:
+    """The inverse of `split_params`: PSM variables."""
+    return {**frozen, "params": {**trainable, **frozen["params"]}}
 
 
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float):
@@ -189,21 +223,37 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     on how the batch is split over devices."""
     tokens, mask = batch["tokens"], batch["mask"]
     B, T = tokens.shape
+    cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
+    variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                             join_params(trainable, frozen))
     cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
     emb = decoder.embed(target, tokens)
     x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
     h = jax.lax.stop_gradient(anchor_states(emb, hidden, spec.anchors))
     teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
     fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n))(keys)
-    student = PSM(cfg, spec).apply({"params": {**trainable, **frozen}}, h, fill, target["final_norm"],
-                                   method=PSM.train_logits)
-    logp = jax.nn.log_softmax(teacher / tau)
+    student = PSM(cfg, spec).apply(variables, h, fill, target["final_norm"], method=PSM.train_logits)  # [B, T, V']
+    drafted = jnp.argmax(student, -1)
+    if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
+        ids = variables["vocab"]["ids"]
+        teacher_v, drafted = teacher[..., ids], ids[drafted]
+    else:
+        teacher_v = teacher
+    logp = jax.nn.log_softmax(teacher_v / tau)
     logq = jax.nn.log_softmax(student / tau)
     kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
     w = mask.astype(jnp.float32)
-    agree = (jnp.argmax(teacher, -1) == jnp.argmax(student, -1)).astype(jnp.float32)
+    # against the unrestricted teacher: what greedy verification would accept
+    agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
     kl_sum = (kl * w).sum()
     return kl_sum, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
+
+
+def compute_target(model, tc: TrainConfig) -> dict:
+    """The frozen target's weights in the compute dtype (psm_loss computes in their dtype)."""
+    if tc.compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be float32 or bfloat16, got {tc.compute_dtype!r}")
+    return jax.tree.map(lambda t: t.astype(tc.compute_dtype), model.params)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -240,7 +290,7 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(loss=sums["kl_sum"] / count, agreement=sums["agree_sum"] / count,
-                       positions=sums["positions"], grad_norm=optax.global_norm(grads))
+                       positions=sums["positions"], grad_norm=optax.tree.norm(grads))
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
     # check_vma off: the decoder's scans start some carries (recurrent states) replicated and make them
@@ -251,15 +301,16 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
     return jax.jit(smap, in_shardings=(rep, rep, rep, dat), out_shardings=(rep, rep), donate_argnums=(0,))
 
 
-def init_state(model, spec: PSMConfig, tc: TrainConfig, opt) -> tuple[dict, dict]:
-    if tc.init_from:
+def init_state(model, spec: PSMConfig, tc: TrainConfig, opt, vocab_ids=None) -> tuple[dict, dict]:
+    variables = init_psm(model.config, spec, model.params, seed=tc.seed,
+                         layers_from_target=tc.layers_from_target, vocab_ids=vocab_ids)
+    if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
         from spd_jax.spec.psm import load_psm
 
-        _, variables = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
-        variables = jax.tree.map(lambda t: jnp.array(t, copy=True), variables)  # donated: no aliasing
-    else:
-        variables = init_psm(model.config, spec, model.params, seed=tc.seed,
-                             layers_from_target=tc.layers_from_target)
+        _, warm = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
+        for k, w in warm["params"].items():
+            if k != "lm_head":
+                variables["params"][k] = jnp.array(w, copy=True)  # donated: no aliasing
     trainable, frozen = split_params(variables)
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
 

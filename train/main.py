@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     model = spd_jax.load_model(tc.model)
     plan = pipelined.plan_for(model, tc.n, tc.stages)
-    spec = PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors)
+    spec = PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors, tc.draft_vocab)
     identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
     if ckpts.latest() is not None and not args.resume:
@@ -107,13 +107,20 @@ def main(argv=None) -> int:
              len(train_set), sum(int(m.sum()) for _, m in train_set), len(batches), len(heldout))
 
     opt = loop.make_optimizer(tc)
-    state, frozen = loop.init_state(model, spec, tc, opt)
+    vocab_ids = None
+    if spec.draft_vocab:
+        vocab_ids = loop.draft_vocab_ids(train_set, spec.draft_vocab, model.config.vocab_size, model.eos_token_ids)
+        hits = sum(int(np.isin(ids[1:][m[:-1]], vocab_ids).sum()) for ids, m in train_set)
+        log.info("draft vocabulary: %d of %d tokens, covering %.2f%% of the training response tokens",
+                 spec.draft_vocab, model.config.vocab_size, 100 * hits / max(1, sum(int(m.sum()) for _, m in train_set)))
+    state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
     start, positions, wall0 = 0, 0, 0.0
     if args.resume:
         state, meta = ckpts.restore(ckpts.latest(), jax.eval_shape(lambda: state))
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
         log.info("resumed at step %d (%d positions seen)", start, positions)
     step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
+    target = loop.compute_target(model, tc)
     metrics_path = out / "metrics.jsonl"
     _truncate_metrics(metrics_path, start)
 
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
     for step in bar:
         for micro in range(tc.grad_accum):
             batch = batches.get(step * tc.grad_accum + micro)
-            state, met = step_fn(state, frozen, model.params, batch)
+            state, met = step_fn(state, frozen, target, batch)
         met = {k: float(v) for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
         wall = wall0 + time.perf_counter() - t_start
@@ -140,12 +147,13 @@ def main(argv=None) -> int:
         if done % tc.save_every == 0 or done == tc.steps:
             ckpts.save(done, state, dict(positions=positions, wall_s=wall))
 
-    variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16), _variables(state, frozen))
+    variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
+                             _variables(state, frozen))
     final = out / "psm"
     if final.exists():
         import shutil
         shutil.rmtree(final)
-    save_psm(final, {"params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}, spec,
+    save_psm(final, {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}, spec,
              extra=dict(head="shared", trained=dict(steps=tc.steps, positions=positions,
                                                     wall_s=round(wall0 + time.perf_counter() - t_start, 1),
                                                     mesh=args.mesh, backend=jax.default_backend(), config=raw)))
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
 
 
 def _variables(state, frozen):
-    return {"params": {**state["params"], **frozen}}
+    return loop.join_params(state["params"], frozen)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

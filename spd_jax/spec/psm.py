@@ -8,6 +8,11 @@ Ls full-attention decoder layers of the target's kind (own KV cache, RoPE at abs
 target's final norm (frozen, shared) and an LM head initialised from the target's. Only the newest
 row's output is a draft.
 
+Optionally the head covers a draft vocabulary: the V' target tokens most frequent in the training
+responses (their ids in the `vocab` collection). Drafts then never propose another token, q is zero
+outside it (sampling stays lossless: verification only ever sees a q with zeros), and the head and
+the training loss over V' cost V'/V of the full ones.
+
 This module is the one home of the PSM's feature code: anchor gathering (`anchor_states`), staircase
 typing (`row_types`), rows, the engine's per-cycle draft (`PSM.draft_step`) and the training forward
 (`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
@@ -26,6 +31,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.models import decoder
@@ -69,10 +75,11 @@ class PSMConfig:
     num_layers: int  # Ls
     plan: tuple[int, ...]  # layers per pipeline stage: the staircase depends on it
     target: tuple  # (model_type, hidden, layers, vocab, heads, kv heads): the target it belongs to
+    draft_vocab: int = 0  # V': the head's size over the draft vocabulary; 0 = the target's whole vocabulary
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, stage_counts: Sequence[int], num_layers: int = 2,
-                   anchors: Sequence[int] | None = None) -> "PSMConfig":
+                   anchors: Sequence[int] | None = None, draft_vocab: int = 0) -> "PSMConfig":
         plan = tuple(int(c) for c in stage_counts)
         if sum(plan) != cfg.num_layers or min(plan) < 1:
             raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
@@ -81,7 +88,10 @@ class PSMConfig:
             raise ValueError(f"anchors must start at 0, increase strictly and stay <= {cfg.num_layers}: {anchors}")
         if num_layers < 1:
             raise ValueError(f"the PSM needs at least one layer, got {num_layers}")
-        return cls(anchors, num_layers, plan, target_signature(cfg))
+        if not 0 <= draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab must be in 0..{cfg.vocab_size} (0: the whole vocabulary), got {draft_vocab}")
+        draft_vocab = 0 if draft_vocab == cfg.vocab_size else int(draft_vocab)
+        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab)
 
     @property
     def n(self) -> int:
@@ -152,7 +162,10 @@ class PSM(nn.Module):
 
         self.layers = {k: self.param(f"layer_{k}", init_for(k), (Ls, *shape))
                        for k, shape in _layer_shapes(self.cfg).items()}
-        self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (self.cfg.vocab_size, H))
+        V = self.spec.draft_vocab or self.cfg.vocab_size
+        self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (V, H))
+        if self.spec.draft_vocab:  # [V'] token ids of the head's rows, sorted; not trained
+            self.vocab_ids = self.variable("vocab", "ids", lambda: jnp.arange(V, dtype=jnp.int32))
 
     def project_all(self, h: jax.Array) -> jax.Array:
         """h [..., m, H] anchor states -> [..., m, H]: every aggregation type's row (entry a reads
@@ -171,10 +184,22 @@ class PSM(nn.Module):
                                      decoder.Cache(cache, None), pos, self.cfg, kinds, length=length)
         return x, c.kv
 
-    def logits(self, x: jax.Array, final_norm: jax.Array) -> jax.Array:
-        """x [..., H] -> float32 logits [..., V] (the target's final norm, the PSM's head)."""
+    def head_logits(self, x: jax.Array, final_norm: jax.Array) -> jax.Array:
+        """x [..., H] -> float32 logits [..., V'] over the head's rows (the target's final norm, the
+        PSM's head); V' = V without a draft vocabulary."""
         x = rms_norm(x, final_norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
         return jnp.einsum("...h,vh->...v", x, self.lm_head, preferred_element_type=jnp.float32)
+
+    def expand(self, logits: jax.Array) -> jax.Array:
+        """[..., V'] head logits -> [..., V] target-vocabulary logits, -inf off the draft vocabulary."""
+        if not self.spec.draft_vocab:
+            return logits
+        full = jnp.full((*logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, logits.dtype)
+        return full.at[..., self.vocab_ids.value].set(logits)
+
+    def logits(self, x: jax.Array, final_norm: jax.Array) -> jax.Array:
+        """x [..., H] -> float32 logits [..., V] over the target's vocabulary."""
+        return self.expand(self.head_logits(x, final_norm))
 
     def prefill(self, h: jax.Array, cache: KVCache) -> KVCache:
         """The prompt's rows (h [P, m, H], all completed: deepest type) into the cache at [0, P)."""
@@ -195,8 +220,9 @@ class PSM(nn.Module):
 
     def train_logits(self, h: jax.Array, fill: jax.Array, final_norm: jax.Array) -> jax.Array:
         """The training forward: h [B, T, m, H] teacher-forced anchor states, fill [B, T] in 1..n (how
-        many tokens are in flight when position t is the newest) -> float32 logits [B, T, V], entry t
-        being exactly the draft `draft_step` makes for t + 1 at that fill.
+        many tokens are in flight when position t is the newest) -> float32 head logits [B, T, V'],
+        entry t being exactly the draft `draft_step` makes for t + 1 at that fill (`expand` maps a draft
+        vocabulary's V' logits to their token ids).
 
         Layout (exact for any Ls, SPD.md section 6): one shared causal chain of completed rows (deepest
         type) at every position, plus per query position t a group of n slots, slot j = the token at
@@ -249,7 +275,7 @@ class PSM(nn.Module):
                 o = jnp.einsum("btkgs,bskd->btkgd", p.astype(dt), v_c).reshape(B, T, cfg.q_size)
                 y = x_c + output_projection(lp, o, xn_c, cfg)
                 x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
-        return self.logits(x_g[:, :, 0], final_norm)
+        return self.head_logits(x_g[:, :, 0], final_norm)
 
     def __call__(self, h, types, cache, pos, final_norm):
         x, cache = self.forward(self.rows(h, types)[None], cache, pos)
@@ -271,12 +297,36 @@ def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
     return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
 
 
+def target_head(cfg: ModelConfig, target_params: dict) -> jax.Array:
+    """The target's LM head [V, H] (the embedding when tied)."""
+    return target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
+
+
+def check_vocab_ids(ids, spec: PSMConfig, cfg: ModelConfig) -> jax.Array:
+    """A draft vocabulary's token ids [V']: sorted, distinct, inside the target's vocabulary."""
+    a = np.asarray(ids)
+    if a.shape != (spec.draft_vocab,) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"the draft vocabulary needs {spec.draft_vocab} integer token ids, got shape {a.shape} "
+                         f"{a.dtype}")
+    if a.size and (a[0] < 0 or a[-1] >= cfg.vocab_size or (np.diff(a) <= 0).any()):
+        raise ValueError(f"draft vocabulary ids must be sorted, distinct and in [0, {cfg.vocab_size})")
+    return jnp.asarray(a, jnp.int32)
+
+
 def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32,
-             layers_from_target: bool = False) -> dict:
-    """PSM weights: random layers and projections, the LM head copied from the target's. With
+             layers_from_target: bool = False, vocab_ids=None) -> dict:
+    """PSM weights: random layers and projections, the LM head copied from the target's (its rows at
+    vocab_ids [V'] with a draft vocabulary, which then needs them: `train.loop.draft_vocab_ids`). With
     layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
-    params = jax.tree.map(lambda t: t.astype(dtype), _init_random(cfg, spec, seed))
-    head = target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
+    variables = _init_random(cfg, spec, seed)
+    params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
+    head = target_head(cfg, target_params)
+    out = {"params": params}
+    if spec.draft_vocab:
+        if vocab_ids is None:
+            raise ValueError("a PSM with a draft vocabulary needs its token ids (vocab_ids)")
+        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
+        head = head[out["vocab"]["ids"]]
     params["lm_head"] = jnp.asarray(head, dtype)
     if layers_from_target:
         attn = target_params["layers"].get(ATTENTION)
@@ -287,7 +337,7 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
         for k in _layer_shapes(cfg):
             # a copy: training donates the PSM's buffers, which must not alias the frozen target's
             params[f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
-    return {"params": params}
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -295,7 +345,7 @@ def _init_random(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
     H, T = cfg.hidden_size, 2
     cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
     return PSM(cfg, spec).init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
-                               jnp.int32(0), jnp.ones((H,), jnp.float32))["params"]
+                               jnp.int32(0), jnp.ones((H,), jnp.float32))
 
 
 class PSMCheckpointError(ValueError):
@@ -310,7 +360,8 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
     if d.get("format") != FORMAT:
         raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
                                  f"format {FORMAT}; retrain it with train.main")
-    return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]))
+    return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]),
+                     int(d.get("draft_vocab", 0)))
 
 
 def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None) -> None:
@@ -366,14 +417,19 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     spec = read_spec(path)
     check_spec(spec, cfg, stage_counts, str(path), anchors)
     shared = json.loads((path / "psm.json").read_text()).get("head") == "shared"
-    abstract = jax.eval_shape(lambda: init_psm(cfg, spec, _zeros_target(cfg)))
+    abstract = jax.eval_shape(lambda: init_psm(cfg, spec, _zeros_target(cfg),
+                                               vocab_ids=np.arange(spec.draft_vocab)))
     if shared:
         del abstract["params"]["lm_head"]
     variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    if spec.draft_vocab:
+        check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
     if shared:
-        head = target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
-        variables["params"]["lm_head"] = head
-    return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype), variables)
+        head = target_head(cfg, target_params)
+        variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
+    # token ids stay integers
+    return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
+                              variables)
 
 
 def _zeros_target(cfg: ModelConfig) -> dict:

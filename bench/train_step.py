@@ -1,0 +1,105 @@
+"""Cost of one PSM training step per variant (compute dtype, draft vocabulary), side by side in one run.
+
+    python -m bench.train_step [--model smollm2-135m-instruct] [--n 8] [--batch 8] [--seq 512] [--repeats 3]
+                               [--variants float32:0,float32:16384,bfloat16:0]
+
+A variant is DTYPE:V' (V' = 0: the PSM head over the whole vocabulary). Measures, per variant, on one
+device (mesh 1x1), random tokens with every position in the loss:
+  teacher_ms   the frozen target's forward alone (anchor states and logits), jitted
+  step_ms      the whole optimiser step (teacher, PSM forward and backward, AdamW update)
+  tokens_s     batch * seq / step time
+and each variant's speedup over the first. Times are medians over --repeats after one compiling call; they
+include nothing but the on-device computation (inputs already on the device, one block at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="float32:0,float32:16384,bfloat16:0")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import spd_jax
+    from spd_jax.models import decoder
+    from spd_jax.decode import pipelined
+    from spd_jax.sharding import data_model_mesh
+    from spd_jax.spec.psm import PSMConfig, anchor_states
+    from train import loop
+
+    model = spd_jax.load_model(args.model)
+    plan = pipelined.plan_for(model, args.n)
+    mesh = data_model_mesh(1, 1)
+    rng = np.random.default_rng(0)
+    batch = dict(tokens=rng.integers(0, model.config.vocab_size, (args.batch, args.seq)).astype(np.int32),
+                 mask=np.ones((args.batch, args.seq), bool))
+
+    def timed(fn):
+        out = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    res = {}
+    for variant in args.variants.split(","):
+        dt, dv = variant.split(":")
+        tc = loop.TrainConfig(model=args.model, n=args.n, batch_size=args.batch, compute_dtype=dt,
+                              draft_vocab=int(dv))
+        spec = PSMConfig.for_target(model.config, plan.counts, 2, draft_vocab=tc.draft_vocab)
+        ids = np.arange(spec.draft_vocab) if spec.draft_vocab else None
+        target = loop.compute_target(model, tc)
+
+        @jax.jit
+        def teacher(target, tokens):
+            cache = decoder.init_cache(model.config, *tokens.shape, target["embed"].dtype)
+            emb = decoder.embed(target, tokens)
+            x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), model.config,
+                                              collect_hidden=True)
+            return anchor_states(emb, hidden, spec.anchors), decoder.lm_logits(target, x, model.config)
+
+        tokens = jnp.asarray(batch["tokens"])
+        jax.block_until_ready(teacher(target, tokens))
+        t_teacher = timed(lambda: teacher(target, tokens))
+
+        opt = loop.make_optimizer(tc)
+        state, frozen = loop.init_state(model, spec, tc, opt, ids)
+        step = loop.make_step(model.config, spec, tc, opt, mesh)
+        holder = {"s": state}
+
+        def one():
+            holder["s"], met = step(holder["s"], frozen, target, batch)
+            return met
+
+        t0 = time.perf_counter()
+        jax.block_until_ready(one())
+        compile_s = time.perf_counter() - t0
+        t_step = timed(one)
+        res[variant] = dict(teacher_ms=t_teacher * 1e3, step_ms=t_step * 1e3, first_call_s=compile_s,
+                       tokens_s=args.batch * args.seq / t_step)
+    first = next(iter(res.values()))
+    res["speedup_over_first"] = {k: dict(teacher=first["teacher_ms"] / r["teacher_ms"], step=first["step_ms"] / r["step_ms"])
+                                 for k, r in list(res.items())[1:]}
+    res["setup"] = dict(model=args.model, n=args.n, batch=args.batch, seq=args.seq, backend=jax.default_backend())
+    print(json.dumps(res, indent=None if args.json else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
