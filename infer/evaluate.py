@@ -168,7 +168,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                        alpha=s["tokens"] / cycles if cycles else float("nan"),
                        depth_ratio=(L / max(s["stage_layers"])) if "stage_layers" in s else 1.0,
                        accepted=s.get("accepted"), rejected=s.get("rejected"), wall_s=s["wall_s"],
-                       tokens_per_s=s["tokens_per_s"], compile_s=s["compile_s"], psm=s.get("psm"),
+                       tokens_per_s=s["tokens_per_s"], compile_s=s["compile_s"], compile_from=s["compile_from"], psm=s.get("psm"),
                        token_ids=res.token_ids, timing_includes=s["timing_includes"], backend=s["backend"])
             row["S0"] = row["alpha"] * row["depth_ratio"]
             f.write(json.dumps(row) + "\n")
@@ -195,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--random-psm", action="store_true", help="an untrained PSM (for testing the harness)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/eval")
+    ap.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     args = ap.parse_args(argv)
     for t in args.temperature:
         if t not in SAMPLING:
@@ -208,6 +209,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import spd_jax
 
+    if not args.no_compile_cache:
+        spd_jax.enable_persistent_cache()
     try:
         model = spd_jax.load_model(args.model)
         benches = {b: read_benchmark(b, args.limit) for b in args.bench}

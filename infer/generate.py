@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not use the persistent compilation cache ($SPD_JAX_CACHE/xla, default ~/.cache/spd_jax/xla)")
     return ap
 
 
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 
         request_cpu_devices(args.n)
     import spd_jax  # after argument parsing: --help stays instant
+
+    if not args.no_compile_cache:
+        spd_jax.enable_persistent_cache()
 
     try:
         model = spd_jax.load_model(args.model, dtype=args.dtype)
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"n={s['n']} stages {s['stage_layers']}, alpha {s['alpha']:.3f}, S0 {s['S0']:.2f}, "
                           f"accepted {s['accepted']}, rejected {s['rejected']}, PSM {s['psm']}")
                 print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "
-                      f"({detail}; compile {s['compile_s']:.1f} s, backend {s['backend']})", file=sys.stderr)
+                      f"({detail}; compile {s['compile_s']:.1f} s ({s['compile_from']}), backend {s['backend']})", file=sys.stderr)
     except (ValueError, FileNotFoundError, KeyError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

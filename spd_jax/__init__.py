@@ -7,8 +7,9 @@ Layout: `models/` model math, `convert/` checkpoints -> params, `decode/` sampli
 from spd_jax.api import GenerateResult, Model, generate, load_model
 from spd_jax.config import ConfigError, ModelConfig
 from spd_jax.convert.hf import CheckpointError
+from spd_jax.decode.compile_cache import enable_persistent_cache
 from spd_jax.decode.sampling import SamplingParams
 
 __all__ = ["CheckpointError", "ConfigError", "GenerateResult", "Model", "ModelConfig", "SamplingParams",
-           "generate", "load_model"]
+           "enable_persistent_cache", "generate", "load_model"]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import load_hf_checkpoint
 from spd_jax.decode import ar
-from spd_jax.decode.compile_cache import CompileCache
+from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.models import decoder
@@ -195,6 +195,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
 
     pre_args = (model.params, prompt_arr, plen, rt)
     pre_statics = dict(statics, cache_len=cache_len)
+    events = cache_events()
     pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, *statics.items()),
                             lambda: ar.prefill.lower(*pre_args, **pre_statics))
     loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
@@ -224,7 +225,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         prefill_s=t1 - t0, decode_s=decode_s, wall_s=t2 - t0,
         tokens_per_s=n / (t2 - t0),
         decode_tokens_per_s=(n - 1) / decode_s if n > 1 else float("nan"),
-        compile_s=c1 + c2,
+        compile_s=c1 + c2, compile_from=compile_source(events, c1 + c2),
         stopped_at_eos=bool(n and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(),
         timing_includes=("device compute, host dispatch and the device-to-host copy of the result"

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spd_jax.decode import ar
-from spd_jax.decode.compile_cache import CompileCache
+from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.decode.spd import EngineConfig, build
 from spd_jax.models.attention import init_kv_cache
@@ -29,6 +29,7 @@ from spd_jax.spec.psm import PSMConfig, check_spec, init_psm, load_psm, read_spe
 log = logging.getLogger(__name__)
 
 _compiled = CompileCache()
+_random_psm_noted: list[bool] = []
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -53,8 +54,10 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
             spec = None  # shipped for the default plan; an explicit other plan gets a random PSM
     if spec is None:
         cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
-        log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is still "
-                    "exactly the target's, but few drafts will be accepted.")
+        if not _random_psm_noted:  # once per process, not once per call
+            _random_psm_noted.append(True)
+            log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is "
+                        "still exactly the target's, but few drafts will be accepted.")
         key = ("random_psm", cfg)
         if key not in model.runtime:
             model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
@@ -127,7 +130,9 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, p_pad, cache_len)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
+    events = cache_events()
     exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))
+    compile_from = compile_source(events, compile_s)
 
     t0 = time.perf_counter()
     seq, n_commit, cycles, accepted, rejected, seq_all, _, _ = exe(*args)
@@ -144,7 +149,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
         S0=alpha * cfg.num_layers / plan.max_layers,
         accepted=int(accepted), rejected=int(rejected),
-        wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s,
+        wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(), devices=plan.n,
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
