@@ -91,10 +91,17 @@ def main(argv=None) -> int:
         if ckpts.latest() is None:
             raise SystemExit(f"error: --resume: no checkpoint in {out / 'ckpt'}")
         was = json.loads((out / "run.json").read_text())
+        from spd_jax.spec.psm import spec_from_json, spec_to_json
+
+        # runs written before a spec field existed: its default
+        was["identity"]["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["identity"]["spec"]))))
         if was["identity"] != identity:
             raise SystemExit(f"error: --resume: {out} was trained for {was['identity']}, not {identity}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(dict(identity=identity, config=raw, mesh=args.mesh), indent=1))
+    cmd = " ".join(["python -m train.main", *(argv if argv is not None else sys.argv[1:])])
+    run = json.loads((out / "run.json").read_text()) if args.resume else {}
+    run.update(identity=identity, config=raw, mesh=args.mesh, commands=run.get("commands", []) + [cmd])
+    (out / "run.json").write_text(json.dumps(run, indent=1))
     log.info("PSM for %s: n=%d, stages %s, anchors %s, staircase %s, Ls=%d; mesh %dx%d on %s",
              model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
              data, model_par, jax.default_backend())

@@ -1,0 +1,97 @@
+"""python -m train.card: a trained PSM's model card from its training run and its evaluation.
+
+    python -m train.card --run runs/smollm2-n8 --eval runs/eval-n8 --psm spd_jax/psms/smollm2-135m-instruct-n8
+
+Reads RUN/run.json (identity, config, the commands that trained it), RUN/metrics.jsonl (loss,
+agreement, quick-eval S0 against training positions), the exported PSM's psm.json and EVAL/results.jsonl
+(`infer.evaluate` rows), and writes PSM/CARD.md and PSM/curves.png (the learning curves). Every figure
+in the card comes from those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def _dir_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
+
+
+def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float) -> str:
+    spec, trained = psm, psm.get("trained", {})
+    last = metrics[-10:]
+    loss = sum(r["loss"] for r in last) / len(last)
+    agree = sum(r["agreement"] for r in last) / len(last)
+    evals = [r for r in metrics if "S0" in r]
+    target = spec["target"]
+    lines = [
+        f"# PSM for {Path(run['identity']['model']).name}, n = {len(spec['plan'])}", "",
+        "A Pipeline Speculation Module (SPD.md) for the target named above: "
+        f"{spec['num_layers']} decoder layers of the target's kind, anchors {spec['anchors']}, stage plan "
+        f"{spec['plan']} (layers per stage; the depth staircase depends on it), "
+        + (f"a draft vocabulary of {spec['draft_vocab']} tokens" if spec.get("draft_vocab") else
+           f"the target's whole vocabulary ({target[3]} tokens)")
+        + f". Weights bfloat16, {size_mb:.1f} MB; the LM head is the target's (frozen in training, not stored).",
+        "", "## Training", "",
+        "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
+        "and data position):", "", "```", *run.get("commands", []), "```", "",
+        f"- data: {', '.join(run['config'].get('sources', []))} (chat template, loss on response tokens "
+        f"only, conversations up to {run['config'].get('max_len')} tokens); never MT-Bench, GSM8K test or "
+        "HumanEval prompts",
+        f"- objective: KL(teacher || PSM) at tau = 1 with the exact train/inference row layout and a simulated "
+        f"pipeline fill; AdamW lr {run['config'].get('lr')}, warm-up {run['config'].get('warmup')}, "
+        f"batch {run['config'].get('batch_size')} sequences, clip {run['config'].get('clip')}",
+        f"- steps {trained.get('steps')}, response positions seen **{trained.get('positions', 0):,}**, wall time "
+        f"{trained.get('wall_s', 0) / 3600:.2f} h on {trained.get('backend')} (mesh {trained.get('mesh')})",
+        f"- last 10 logged steps: KL {loss:.3f}, top-1 agreement with the target {agree:.3f}",
+        "", "Quick eval during training (greedy SPD on held-out training prompts, pooled):", "",
+        "| step | positions | alpha | S0 |", "|---|---|---|---|",
+        *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
+        "", "![learning curves](curves.png)", "",
+        "## Evaluation", "", "```", eval_cmd, "```", "",
+        "Greedy (T = 0), first turns, chat template; alpha = committed tokens per cycle and S0 = alpha * L / "
+        "(layers of the slowest stage), pooled over prompts as sum(tokens) / sum(cycles).", "",
+        "| bench | method | n | T | prompts | tokens | alpha | S0 | tok/s here | vs ar here |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        ratio = f"{t['speed_vs_ar']:.2f}x" if t.get("speed_vs_ar") else "-"
+        lines.append(f"| {t['bench']} | {t['method']} | {t['n']} | {t['temperature']:g} | {t['prompts']} | "
+                     f"{t['tokens']} | {t['alpha']:.3f} | {t['S0']:.2f} | {t['tokens_per_s']:.1f} | {ratio} |")
+    lines += ["", "tok/s are measured on the machine named above, where the n stage devices share the host's "
+              "cores (stages run one after another), so they are not a projection for real devices; S0 is.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.card", description=__doc__.split("\n")[0])
+    ap.add_argument("--run", required=True, help="the training run's --out directory")
+    ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory for this PSM")
+    ap.add_argument("--psm", required=True, help="the exported PSM directory the card goes into")
+    ap.add_argument("--eval-command", default="", help="the infer.evaluate command that produced --eval")
+    args = ap.parse_args(argv)
+    from infer.evaluate import pooled
+
+    run_dir, eval_dir, psm_dir = Path(args.run), Path(args.eval), Path(args.psm)
+    for p in (run_dir / "run.json", run_dir / "metrics.jsonl", eval_dir / "results.jsonl", psm_dir / "psm.json"):
+        if not p.is_file():
+            print(f"error: {p} not found", file=sys.stderr)
+            return 2
+    run = json.loads((run_dir / "run.json").read_text())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    psm = json.loads((psm_dir / "psm.json").read_text())
+    rows = [json.loads(x) for x in (eval_dir / "results.jsonl").read_text().splitlines() if x.strip()]
+    if (run_dir / "curves.png").is_file():
+        shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
+    text = card_markdown(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
+    (psm_dir / "CARD.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
