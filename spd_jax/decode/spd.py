@@ -101,18 +101,21 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     def permute(x):
         return jax.lax.ppermute(x, AXIS, fwd) if n > 1 else x
 
-    # ---------------- prefill: the prompt through the stages in turn
+    # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
+    # not n unrolled copies of the stage, so compile time does not grow with n
     emb = decoder.embed(shared, prompt)  # [1, Pp, H]
-    x, anc_prompt = emb, jnp.zeros((m, 1, Pp, H), emb.dtype)
-    for r in range(n):
+
+    def prefill_round(r, carry):
+        x, cache, anc_prompt = carry
         x, cache, anc = jax.lax.cond(
             s == r,
             lambda a: stage_forward(w, a[1], pr, a[0], jnp.int32(0), cfg, lay, length=prompt_len),
             lambda a: (a[0], a[1], jnp.zeros((m, 1, Pp, H), a[0].dtype)),
             (x, cache))
-        anc_prompt = anc_prompt + anc
-        if r < last:
-            x = permute(x)
+        x = jnp.where(r < last, permute(x), x)  # the last stage keeps its output
+        return x, cache, anc_prompt + anc
+
+    x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round, (emb, cache, jnp.zeros((m, 1, Pp, H), emb.dtype)))
     h_last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)
     y0 = jax.lax.cond(is_last, lambda h: choose(decoder.lm_logits(shared, h, cfg)[0, 0], prompt_len, sp,
                                                 ec.greedy, ec.filtered),
