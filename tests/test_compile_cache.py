@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import spd_jax
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,9 @@ def test_second_process_reuses_the_persistent_cache(tiny_ckpt, tmp_path):
     assert first["stats"]["compile_from"] == "compiled"
     assert second["stats"]["compile_from"] == "persistent cache"
     assert second["token_ids"] == first["token_ids"]
+    # spd with an explicitly untrained PSM commits exactly the autoregressive tokens
+    model = spd_jax.load_model(path)
+    assert first["token_ids"] == spd_jax.generate(model, [1, 5, 9], 4).token_ids and first["stats"]["psm"] == "random"
     assert any((tmp_path / "cache" / "xla").iterdir())
     # a clean console: the random-PSM notice once, no XLA error-level lines
     assert err1.count("randomly initialised PSM") == 1 and " E1" not in err1 and "\nE1" not in err1

@@ -170,6 +170,8 @@ def main(argv=None) -> int:
 
 
 def _variables(state, frozen):
+    from train import loop
+
     return loop.join_params(state["params"], frozen)
 
 
