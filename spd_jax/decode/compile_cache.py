@@ -43,7 +43,6 @@ def enable_persistent_cache(directory: str | Path | None = None, min_compile_s: 
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", 2 * 2 ** 30)  # least recently used entries go first
     return path
 
 
