@@ -7,8 +7,8 @@ benchmark prompts, side by side in one run.
 Conventions follow the SPD reference code so figures compare with the paper's: 80 prompts per
 benchmark by default, first turn only, the chat template, HumanEval prompts prefixed "Complete the
 code I provided.", T=1 meaning temperature 1 with top-k 50 and top-p 0.95, and alpha / S0 pooled over
-prompts as sum(tokens) / sum(cycles). Any JSONL with a `turns`, `question` or `prompt` field (or
-`prompt_ids`, token ids used as they are) is a benchmark.
+prompts as sum(tokens) / sum(cycles). Any JSONL with a `prompt`, `text`, `question` or `turns` field
+(or `prompt_ids`, token ids used as they are) is a benchmark.
 
 DIR/results.jsonl gets one row per (benchmark, prompt, method, n, T) as it finishes; a rerun skips the
 rows already there. DIR/results.md holds the pooled tables and DIR/s0_vs_n.png, DIR/speed_vs_n.png the
@@ -36,6 +36,7 @@ SAMPLING = {0.0: dict(temperature=0.0), 1.0: dict(temperature=1.0, top_k=50, top
 
 def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
     """A benchmark's first-turn prompts: [{"text": str} or {"ids": [int]}], at most `limit`."""
+    from infer.generate import PROMPT_FIELDS, prompt_field
     from train.data import data_path
 
     if name in BENCHMARKS:
@@ -55,14 +56,10 @@ def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
             obj = json.loads(line)
             if "prompt_ids" in obj:
                 out.append({"ids": [int(t) for t in obj["prompt_ids"]]})
+            elif (text := prompt_field(obj)) is not None:
+                out.append({"text": prefix + text})
             else:
-                for key in ("turns", "question", "prompt"):
-                    if key in obj:
-                        v = obj[key]
-                        out.append({"text": prefix + (v[0] if isinstance(v, list) else v)})
-                        break
-                else:
-                    raise ValueError(f"{path}:{n} has none of the fields turns, question, prompt, prompt_ids")
+                raise ValueError(f"{path}:{n} has none of the fields {', '.join(PROMPT_FIELDS)}, prompt_ids")
             if limit is not None and len(out) >= limit:
                 break
     if not out:

@@ -16,6 +16,18 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 
+PROMPT_FIELDS = ("prompt", "text", "question", "turns")
+
+
+def prompt_field(obj: dict) -> str | None:
+    """A JSONL record's prompt text: its first field among PROMPT_FIELDS (of `turns`, the first turn)."""
+    for key in PROMPT_FIELDS:
+        if key in obj:
+            v = obj[key]
+            return v[0] if isinstance(v, list) else v
+    return None
+
+
 def read_prompt_file(path: str) -> list[str]:
     """One prompt per line, or JSON lines with a `prompt`, `text`, `question` or `turns` field
     (so the MT-Bench, GSM8K and HumanEval files under data/ read directly)."""
@@ -34,13 +46,10 @@ def read_prompt_file(path: str) -> list[str]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SystemExit(f"error: {path}:{n} is not valid JSON ({e})")
-                for key in ("prompt", "text", "question", "turns"):
-                    if key in obj:
-                        v = obj[key]
-                        prompts.append(v[0] if isinstance(v, list) else v)
-                        break
-                else:
-                    raise SystemExit(f"error: {path}:{n} has none of the fields prompt, text, question, turns")
+                text = prompt_field(obj)
+                if text is None:
+                    raise SystemExit(f"error: {path}:{n} has none of the fields {', '.join(PROMPT_FIELDS)}")
+                prompts.append(text)
             else:
                 prompts.append(line)
     if not prompts:
