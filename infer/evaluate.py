@@ -68,7 +68,10 @@ def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["bench"], r["prompt_index"], r["method"], r["n"], r["temperature"])
+    """What makes a row: a rerun into the same directory with another model, PSM, length or seed
+    computes new rows instead of reusing these."""
+    return (r["bench"], r["prompt_index"], r["method"], r["n"], r["temperature"], r["model"], r["spec"],
+            r["max_new_tokens"], r["seed"])
 
 
 def pooled(rows: list[dict]) -> list[dict]:
@@ -151,7 +154,11 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     done = {row_key(r) for r in rows}
     jobs = [(b, i, p, m, n, float(t)) for b, ps in benches.items() for i, p in enumerate(ps)
             for t in temperatures for m in methods for n in (ns if m != "ar" else [1])]
-    todo = [j for j in jobs if (j[0], j[1], j[3], j[4], j[5]) not in done]
+    same = dict(model=model.path.name, spec="default" if spec is None else str(spec), max_new_tokens=max_new_tokens,
+                seed=seed)
+    todo = [j for j in jobs if row_key(dict(bench=j[0], prompt_index=j[1], method=j[3], n=j[4], temperature=j[5],
+                                            **same)) not in done]
+    rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())]  # only this setup's rows
     L = model.config.num_layers
     with path.open("a") as f:
         for bench, i, p, method, n, temp in tqdm(todo, desc="evaluate", unit="run", disable=not progress):
@@ -160,7 +167,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                                    **SAMPLING[temp])
             s = res.stats
             cycles = s.get("cycles", s["tokens"])  # ar: one target step per token
-            row = dict(bench=bench, prompt_index=i, method=method, n=n, temperature=temp,
+            row = dict(bench=bench, prompt_index=i, method=method, n=n, temperature=temp, **same,
                        prompt_tokens=s["prompt_tokens"], tokens=s["tokens"], cycles=cycles,
                        alpha=s["tokens"] / cycles if cycles else float("nan"),
                        depth_ratio=(L / max(s["stage_layers"])) if "stage_layers" in s else 1.0,

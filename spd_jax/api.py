@@ -204,6 +204,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     loop_args = (layers, head, jnp.int32(0), plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
     loop, c2 = _compiled.get(("loop", cache_len, eos_arr.shape, model.dtype, *loop_statics.items()),
                              lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
+    compile_from = compile_source(events, c1 + c2)  # now: the run's own eager ops also touch the cache
 
     t0 = time.perf_counter()
     first, caches = pre(*pre_args)
@@ -225,7 +226,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         prefill_s=t1 - t0, decode_s=decode_s, wall_s=t2 - t0,
         tokens_per_s=n / (t2 - t0),
         decode_tokens_per_s=(n - 1) / decode_s if n > 1 else float("nan"),
-        compile_s=c1 + c2, compile_from=compile_source(events, c1 + c2),
+        compile_s=c1 + c2, compile_from=compile_from,
         stopped_at_eos=bool(n and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(),
         timing_includes=("device compute, host dispatch and the device-to-host copy of the result"

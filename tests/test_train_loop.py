@@ -89,6 +89,8 @@ def test_draft_vocabulary_ids():
     assert loop.draft_vocab_ids([(ids, mask)], 4, 8).tolist() == [0, 2, 3, 4]  # ties to the lower id
     with pytest.raises(ValueError, match="draft_vocab 9"):
         loop.draft_vocab_ids([(ids, mask)], 9, 8)
+    with pytest.raises(ValueError, match="cannot hold the 2 tokens"):
+        loop.draft_vocab_ids([(ids, mask)], 1, 8, always=(6, 7))
 
 
 def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):

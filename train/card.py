@@ -23,6 +23,8 @@ def _dir_mb(path: Path) -> float:
 
 def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float) -> str:
     spec, trained = psm, psm.get("trained", {})
+    if not metrics:
+        raise ValueError("the run's metrics.jsonl is empty: train at least log_every steps first")
     last = metrics[-10:]
     loss = sum(r["loss"] for r in last) / len(last)
     agree = sum(r["agreement"] for r in last) / len(last)
@@ -87,7 +89,11 @@ def main(argv=None) -> int:
     rows = [json.loads(x) for x in (eval_dir / "results.jsonl").read_text().splitlines() if x.strip()]
     if (run_dir / "curves.png").is_file():
         shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
-    text = card_markdown(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
+    try:
+        text = card_markdown(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     (psm_dir / "CARD.md").write_text(text)
     print(text)
     return 0

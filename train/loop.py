@@ -139,6 +139,8 @@ def draft_vocab_ids(corpus: list, size: int, vocab_size: int, always: Sequence[i
     to end a reply) in place of the rarest ones. -> sorted int32 [size]."""
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft_vocab {size} must be in 1..{vocab_size}")
+    if size < len(set(always)):
+        raise ValueError(f"draft_vocab {size} cannot hold the {len(set(always))} tokens it must include (EOS)")
     counts = np.zeros(vocab_size, np.int64)
     for ids, mask in corpus:
         np.add.at(counts, ids[1:][mask[:-1]], 1)
@@ -307,7 +309,10 @@ def init_state(model, spec: PSMConfig, tc: TrainConfig, opt, vocab_ids=None) -> 
     if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
         from spd_jax.spec.psm import load_psm
 
-        _, warm = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
+        was, warm = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
+        if was.num_layers != spec.num_layers:
+            raise ValueError(f"init_from {tc.init_from} has {was.num_layers} PSM layers, this run {spec.num_layers}; "
+                             f"set psm_layers={was.num_layers}")
         for k, w in warm["params"].items():
             if k != "lm_head":
                 variables["params"][k] = jnp.array(w, copy=True)  # donated: no aliasing

@@ -54,12 +54,14 @@ def cache_events() -> dict[str, int]:
 def compile_source(before: dict[str, int], compile_s: float) -> str:
     """What compile_s measured since `before = cache_events()`: "compiled", "persistent cache" (loaded
     from disk, nothing compiled) or "in-process cache" (nothing to do)."""
+    if compile_s == 0:
+        return "in-process cache"
     now = cache_events()
     if now["misses"] > before["misses"]:
         return "compiled"
     if now["hits"] > before["hits"]:
         return "persistent cache"
-    return "compiled" if compile_s > 0 else "in-process cache"
+    return "compiled"
 
 
 class CompileCache:
