@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from spd_jax.models import decoder
     from spd_jax.decode import pipelined
     from spd_jax.sharding import data_model_mesh
-    from spd_jax.spec.psm import PSMConfig, anchor_states
+    from spd_jax.drafters.psm import PSMConfig, anchor_states
     from train import loop
 
     model = spd_jax.load_model(args.model)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import spd_jax
-from spd_jax.spec.psm import shipped_psm
+from spd_jax.drafters.psm import shipped_psm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
-from spd_jax.spec.psm import PSM, PSMConfig, anchor_states, init_psm, row_types, sample_fill
+from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, row_types, sample_fill
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
 T = 20

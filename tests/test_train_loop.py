@@ -15,7 +15,7 @@ import pytest
 import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.sharding import data_model_mesh, parse_mesh
-from spd_jax.spec.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
+from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
 from train import loop
 from tolerances import CACHED_VS_FULL, assert_close
 from train.data import read_sharegpt
@@ -111,7 +111,7 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
         losses.append(float(met["loss"]))
     assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
 
-    from spd_jax.spec.psm import save_psm
+    from spd_jax.drafters.psm import save_psm
 
     v = loop.join_params(state["params"], frozen)
     save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,

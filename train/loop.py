@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from spd_jax.models import decoder
 from spd_jax.sharding import DATA
-from spd_jax.spec.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
+from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def init_state(model, spec: PSMConfig, tc: TrainConfig, opt, vocab_ids=None) -> 
     variables = init_psm(model.config, spec, model.params, seed=tc.seed,
                          layers_from_target=tc.layers_from_target, vocab_ids=vocab_ids)
     if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
-        from spd_jax.spec.psm import load_psm
+        from spd_jax.drafters.psm import load_psm
 
         was, warm = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
         if was.num_layers != spec.num_layers:
@@ -352,7 +352,7 @@ class Checkpoints:
 
 def run_identity(model, spec: PSMConfig, tc: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed or used."""
-    from spd_jax.spec.psm import spec_to_json
+    from spd_jax.drafters.psm import spec_to_json
 
     return dict(spec=spec_to_json(spec), model=str(model.path), psm_layers=tc.psm_layers)
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     import spd_jax
     from spd_jax.decode import pipelined
     from spd_jax.sharding import data_model_mesh
-    from spd_jax.spec.psm import PSMConfig, save_psm
+    from spd_jax.drafters.psm import PSMConfig, save_psm
     from train import loop
 
     tc = loop.TrainConfig.from_dict(raw)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         if ckpts.latest() is None:
             raise SystemExit(f"error: --resume: no checkpoint in {out / 'ckpt'}")
         was = json.loads((out / "run.json").read_text())
-        from spd_jax.spec.psm import spec_from_json, spec_to_json
+        from spd_jax.drafters.psm import spec_from_json, spec_to_json
 
         # runs written before a spec field existed: its default
         was["identity"]["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["identity"]["spec"]))))

@@ -1,10 +1,16 @@
-"""Hugging Face checkpoint directory -> decoder params pytree (see `spd_jax.models.decoder`).
+"""Hugging Face checkpoint directory -> decoder params pytree (layout: `spd_jax.models.schema`).
 
 Reads config.json and model.safetensors (or a sharded `model.safetensors.index.json`), text-only
 (`model.layers.*`) or multimodal (`model.language_model.layers.*`; vision tower and MTP head skipped,
-with a log line). Per-layer tensors are stacked per layer kind (see `spd_jax.models.decoder`). Every tensor's
-HF shape is checked against the config before anything is loaded, and a missing, unexpected or
+with a log line). Names, shapes and layout transforms all come from the weight schema: every tensor's
+HF shape is checked against the config before anything is read, and a missing, unexpected or
 mis-shaped tensor fails with its name. Only safetensors is read: no pickles, no remote code.
+
+Sharded loading: given a NamedSharding per leaf, each leaf is built with
+`jax.make_array_from_callback`, whose callback reads from disk only the slice one device holds (a
+column block of a transposed matrix reads the matching row block of the HF tensor). Stacked leaves
+may follow any layer map (`CheckpointReader.read_stack`): the pipeline's per-stage stacks read, for
+stage s, only stage s's layers.
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
 
-from spd_jax.config import ATTENTION, LINEAR, ModelConfig
+from spd_jax.config import ModelConfig
+from spd_jax.models import schema
+from spd_jax.models.schema import Leaf
 
 log = logging.getLogger(__name__)
 
@@ -32,86 +41,6 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match its config (names the offending tensor)."""
 
 
-def _T(a):
-    return a.T
-
-
-def _same(a):
-    return a
-
-
-Table = dict[str, tuple[str, tuple[int, ...], Callable]]
-
-
-def _common_table(cfg: ModelConfig) -> Table:
-    """our leaf -> (HF name under <prefix>layers.{i}., HF shape, HF tensor -> our layout)."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    t = {"attn_norm": ("input_layernorm.weight", (H,), _same),
-         "mlp_norm": ("post_attention_layernorm.weight", (H,), _same),
-         "w_gate": ("mlp.gate_proj.weight", (I, H), _T),
-         "w_up": ("mlp.up_proj.weight", (I, H), _T),
-         "w_down": ("mlp.down_proj.weight", (H, I), _T)}
-    if cfg.mlp_bias:
-        t |= {"b_gate": ("mlp.gate_proj.bias", (I,), _same), "b_up": ("mlp.up_proj.bias", (I,), _same),
-              "b_down": ("mlp.down_proj.bias", (H,), _same)}
-    return t
-
-
-def _attention_table(cfg: ModelConfig) -> Table:
-    H, D, nq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
-    t = {"wk": ("self_attn.k_proj.weight", (cfg.kv_size, H), _T),
-         "wv": ("self_attn.v_proj.weight", (cfg.kv_size, H), _T),
-         "wo": ("self_attn.o_proj.weight", (H, cfg.q_size), _T)}
-    if cfg.attn_gate:
-        # q_proj packs [query | gate] per head: rows [Nq, 2, D].
-        t["wq"] = ("self_attn.q_proj.weight", (2 * cfg.q_size, H), lambda a: a.reshape(nq, 2, D, H)[:, 0]
-                   .reshape(nq * D, H).T)
-        t["wq_gate"] = ("self_attn.q_proj.weight", (2 * cfg.q_size, H), lambda a: a.reshape(nq, 2, D, H)[:, 1]
-                        .reshape(nq * D, H).T)
-    else:
-        t["wq"] = ("self_attn.q_proj.weight", (cfg.q_size, H), _T)
-    if cfg.qkv_bias:
-        t |= {"bq": ("self_attn.q_proj.bias", (cfg.q_size,), _same),
-              "bk": ("self_attn.k_proj.bias", (cfg.kv_size,), _same),
-              "bv": ("self_attn.v_proj.bias", (cfg.kv_size,), _same)}
-    if cfg.o_bias:
-        t |= {"bo": ("self_attn.o_proj.bias", (H,), _same)}
-    if cfg.qk_norm:
-        t |= {"q_norm": ("self_attn.q_norm.weight", (D,), _same),
-              "k_norm": ("self_attn.k_norm.weight", (D,), _same)}
-    return t
-
-
-def _linear_table(cfg: ModelConfig) -> Table:
-    lc, H = cfg.linear, cfg.hidden_size
-    C, K, nv = lc.conv_dim, lc.conv_kernel, lc.num_v_heads
-    return {"w_qkv": ("linear_attn.in_proj_qkv.weight", (C, H), _T),
-            "conv_w": ("linear_attn.conv1d.weight", (C, 1, K), lambda a: a[:, 0, :].T),
-            "w_z": ("linear_attn.in_proj_z.weight", (lc.value_size, H), _T),
-            "w_b": ("linear_attn.in_proj_b.weight", (nv, H), _T),
-            "w_a": ("linear_attn.in_proj_a.weight", (nv, H), _T),
-            "dt_bias": ("linear_attn.dt_bias", (nv,), _same),
-            "A_log": ("linear_attn.A_log", (nv,), _same),
-            "norm_w": ("linear_attn.norm.weight", (lc.v_dim,), _same),
-            "w_out": ("linear_attn.out_proj.weight", (H, lc.value_size), _T)}
-
-
-def _layer_tables(cfg: ModelConfig) -> dict[str, Table]:
-    common = _common_table(cfg)
-    tables = {ATTENTION: common | _attention_table(cfg)}
-    if cfg.linear is not None:
-        tables[LINEAR] = common | _linear_table(cfg)
-    return tables
-
-
-def _global_table(cfg: ModelConfig, prefix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    t = {"embed": (f"{prefix}embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-         "final_norm": (f"{prefix}norm.weight", (cfg.hidden_size,))}
-    if not cfg.tie_word_embeddings:
-        t["lm_head"] = ("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
-    return t
-
-
 def _safetensors_files(ckpt: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = ckpt / "model.safetensors.index.json"
@@ -124,7 +53,7 @@ def _safetensors_files(ckpt: Path) -> dict[str, Path]:
         return files
     single = ckpt / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="flax") as f:
+        with safe_open(single, framework="numpy") as f:
             return {name: single for name in f.keys()}
     if any(ckpt.glob("*.bin")) or any(ckpt.glob("*.pt")) or any(ckpt.glob("*.pth")):
         raise CheckpointError(f"{ckpt} holds only PyTorch pickle weights; spd-jax reads safetensors only "
@@ -132,58 +61,122 @@ def _safetensors_files(ckpt: Path) -> dict[str, Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}")
 
 
-def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """Load an HF decoder checkpoint directory into (config, params). dtype: the params' dtype."""
-    ckpt = Path(ckpt_dir)
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist: pass --model a known default "
-                                "name or the path of a Hugging Face checkpoint directory")
-    cfg = ModelConfig.from_json(ckpt / "config.json")
-    files = _safetensors_files(ckpt)
+class CheckpointReader:
+    """An opened, validated checkpoint: config, schema and slice reads (nothing is read until asked)."""
 
-    prefix = _VLM_PREFIX if any(n.startswith(_VLM_PREFIX) for n in files) else "model."
-    skipped = [n for n in files if n.startswith(_SKIPPED_PREFIXES)]
-    if skipped:
-        log.info("skipping %d non-text tensors (%s)", len(skipped),
-                 ", ".join(sorted({p for p in _SKIPPED_PREFIXES for n in skipped if n.startswith(p)})))
-    tables, global_table = _layer_tables(cfg), _global_table(cfg, prefix)
-    expected: dict[str, tuple[int, ...]] = {hf: shape for hf, shape in global_table.values()}
-    for i, kind in enumerate(cfg.layer_types):
-        for suffix, shape, _ in tables[kind].values():
-            expected[f"{prefix}layers.{i}.{suffix}"] = shape
-    allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    def __init__(self, ckpt_dir: str | Path):
+        ckpt = Path(ckpt_dir)
+        if not ckpt.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist: pass --model a known default "
+                                    "name or the path of a Hugging Face checkpoint directory")
+        self.path = ckpt
+        self.cfg = cfg = ModelConfig.from_json(ckpt / "config.json")
+        self.files = files = _safetensors_files(ckpt)
+        self.prefix = prefix = _VLM_PREFIX if any(n.startswith(_VLM_PREFIX) for n in files) else "model."
+        skipped = [n for n in files if n.startswith(_SKIPPED_PREFIXES)]
+        if skipped:
+            log.info("skipping %d non-text tensors (%s)", len(skipped),
+                     ", ".join(sorted({p for p in _SKIPPED_PREFIXES for n in skipped if n.startswith(p)})))
+        self.globals = schema.global_schema(cfg, prefix)
+        self.layers = {kind: schema.layer_schema(cfg, kind) for kind in schema.layer_kinds(cfg)}
+        expected = {leaf.hf: leaf.hf_shape for leaf in self.globals.values()}
+        for i, kind in enumerate(cfg.layer_types):
+            for leaf in self.layers[kind].values():
+                expected[self.layer_name(i, leaf)] = leaf.hf_shape
+        allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
 
-    # Check names and shapes of everything before reading any data.
-    handles = {f: safe_open(f, framework="flax") for f in set(files.values())}
-    missing = [n for n in expected if n not in files]
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt} is missing tensor {missing[0]!r}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                              + f" required by its config (model_type={cfg.model_type}, "
-                                f"num_hidden_layers={cfg.num_layers})")
-    unexpected = [n for n in files if n not in expected and n not in allowed_extra
-                  and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(_SKIPPED_PREFIXES)]
-    if unexpected:
-        raise CheckpointError(f"checkpoint {ckpt} has unexpected tensor {unexpected[0]!r}"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                              + f": it does not match its config (model_type={cfg.model_type})")
-    for name, shape in expected.items():
-        got = tuple(handles[files[name]].get_slice(name).get_shape())
-        if got != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json "
-                                  f"(hidden_size={cfg.hidden_size}, heads={cfg.num_heads}/{cfg.num_kv_heads}, "
-                                  f"head_dim={cfg.head_dim}, intermediate_size={cfg.intermediate_size}"
-                                  + (f", linear={cfg.linear}" if cfg.linear else "") + ")")
+        self._np = {f: safe_open(f, framework="numpy") for f in set(files.values())}
+        self._jx: dict[Path, object] = {}  # numpy cannot hold bfloat16: those tensors are read through jax
+        missing = [n for n in expected if n not in files]
+        if missing:
+            raise CheckpointError(f"checkpoint {ckpt} is missing tensor {missing[0]!r}"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                                  + f" required by its config (model_type={cfg.model_type}, "
+                                    f"num_hidden_layers={cfg.num_layers})")
+        unexpected = [n for n in files if n not in expected and n not in allowed_extra
+                      and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(_SKIPPED_PREFIXES)]
+        if unexpected:
+            raise CheckpointError(f"checkpoint {ckpt} has unexpected tensor {unexpected[0]!r}"
+                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                                  + f": it does not match its config (model_type={cfg.model_type})")
+        for name, shape in expected.items():
+            got = tuple(self._np[files[name]].get_slice(name).get_shape())
+            if got != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json "
+                                      f"(hidden_size={cfg.hidden_size}, heads={cfg.num_heads}/{cfg.num_kv_heads}, "
+                                      f"head_dim={cfg.head_dim}, intermediate_size={cfg.intermediate_size}"
+                                      + (f", linear={cfg.linear}" if cfg.linear else "") + ")")
 
-    def get(name: str, fn: Callable = _same):
-        return fn(handles[files[name]].get_tensor(name).astype(dtype))
+    def layer_name(self, layer: int, leaf: Leaf) -> str:
+        return f"{self.prefix}layers.{layer}.{leaf.hf}"
 
-    params = {key: get(hf) for key, (hf, _) in global_table.items()}
-    params["layers"] = {}
-    for kind, table in tables.items():
-        idx = [i for i, k in enumerate(cfg.layer_types) if k == kind]
-        if idx:
-            params["layers"][kind] = {key: jnp.stack([get(f"{prefix}layers.{i}.{suffix}", fn) for i in idx])
-                                      for key, (suffix, _, fn) in table.items()}
-    log.info("loaded %s (%s, %d layers) from %s", cfg.model_type, jnp.dtype(dtype).name, cfg.num_layers, ckpt)
-    return cfg, params
+    def _slice(self, name: str, hf_index: tuple) -> np.ndarray:
+        f = self.files[name]
+        sl = self._np[f].get_slice(name)
+        if sl.get_dtype() != "BF16":
+            return sl[hf_index]
+        if f not in self._jx:
+            self._jx[f] = safe_open(f, framework="flax")
+        return np.asarray(self._jx[f].get_slice(name)[hf_index])
+
+    def read(self, name: str, leaf: Leaf, index: tuple, dtype) -> np.ndarray:
+        """our_array[index] of the HF tensor `name` transformed by leaf.transform."""
+        index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
+        return np.asarray(leaf.transform.read(lambda ix: self._slice(name, ix), index), dtype)
+
+    def read_global(self, key: str, index: tuple = (), dtype=np.float32) -> np.ndarray:
+        return self.read(self.globals[key].hf, self.globals[key], index, dtype)
+
+    def read_stack(self, kind: str, key: str, layer_ids: np.ndarray, index: tuple = (), dtype=np.float32) -> np.ndarray:
+        """A stacked leaf whose leading axes follow layer_ids (int array of model layer indices, -1 for
+        a zero-padded slot): result[index] where the first layer_ids.ndim entries of index select
+        slots and the rest slice within the layer."""
+        leaf = self.layers[kind][key]
+        lead = layer_ids.ndim
+        index = tuple(index) + (slice(None),) * (lead + len(leaf.shape) - len(index))
+        ids = np.asarray(layer_ids)[index[:lead]]
+        inner = index[lead:]
+        probe = np.zeros(leaf.shape, np.int8)[inner].shape  # the inner slice's shape
+        out = np.zeros((*ids.shape, *probe), dtype)
+        for pos in np.ndindex(*ids.shape):
+            if ids[pos] >= 0:
+                out[pos] = self.read(self.layer_name(int(ids[pos]), leaf), leaf, inner, dtype)
+        return out
+
+    def kind_layer_ids(self, kind: str) -> np.ndarray:
+        """[n_kind] model layer indices of the per-kind stack (the params layout)."""
+        return np.asarray([i for i, k in enumerate(self.cfg.layer_types) if k == kind], np.int32)
+
+    def load(self, dtype=jnp.float32, shardings: dict | None = None, layers: bool = True) -> dict:
+        """The params pytree. shardings: a matching pytree of NamedShardings (`spd_jax.sharding`); each
+        device then reads and holds only its own slice. Without: whole arrays on the default device.
+        layers=False: the embedding, final norm and head only (params["layers"] is None)."""
+        np_dtype = jnp.dtype(dtype)
+
+        def build(shape, sharding, read):
+            if sharding is None:
+                return jnp.asarray(read(()))
+            return jax.make_array_from_callback(shape, sharding, read)
+
+        params = {}
+        for key, leaf in self.globals.items():
+            params[key] = build(leaf.shape, shardings and shardings[key],
+                                lambda ix, key=key: self.read_global(key, ix, np_dtype))
+        params["layers"] = {} if layers else None
+        for kind, leaves in (self.layers.items() if layers else ()):
+            ids = self.kind_layer_ids(kind)
+            params["layers"][kind] = {
+                key: build((ids.size, *leaf.shape), shardings and shardings["layers"][kind][key],
+                           lambda ix, kind=kind, key=key, ids=ids: self.read_stack(kind, key, ids, ix, np_dtype))
+                for key, leaf in leaves.items()}
+        log.info("loaded %s (%s, %d layers%s) from %s", self.cfg.model_type, np_dtype.name, self.cfg.num_layers,
+                 ", sharded" if shardings else "", self.path)
+        return params
+
+
+def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32, shardings: dict | None = None
+                       ) -> tuple[ModelConfig, dict]:
+    """Load an HF decoder checkpoint directory into (config, params). dtype: the params' dtype;
+    shardings: optional per-leaf NamedShardings (see `CheckpointReader.load`)."""
+    reader = CheckpointReader(ckpt_dir)
+    return reader.cfg, reader.load(dtype, shardings)

@@ -24,7 +24,7 @@ from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.mesh import AXIS, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.spec.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
+from spd_jax.drafters.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
 
 log = logging.getLogger(__name__)
 

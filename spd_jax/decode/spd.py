@@ -35,7 +35,7 @@ from spd_jax.decode.sampling import choose, token_key, warp_logits
 from spd_jax.models import decoder
 from spd_jax.pipeline.mesh import AXIS
 from spd_jax.pipeline.stages import StageLayout, stage_forward
-from spd_jax.spec.psm import PSM, PSMConfig
+from spd_jax.drafters.psm import PSM, PSMConfig
 
 DRAFTERS = ("psm", "none", "oracle")
 # Independent random streams per position (fold_in of the token key): the target's own sample uses

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.models import schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,41 +32,36 @@ class LayerCost:
         return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
 
 
-def _mlp(cfg: ModelConfig) -> tuple[int, int]:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    params = 3 * H * I + 2 * H + (2 * I + H if cfg.mlp_bias else 0)  # + the two layer norms
-    return params, 2 * 3 * H * I
+def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
+    """Weights used as matmul operands (one multiply-add each per token): every 2-D leaf but the
+    depthwise conv kernel."""
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves.values()
+               if len(leaf.shape) == 2 and leaf.transform is not schema.CONV)
 
 
 def layer_costs(cfg: ModelConfig, context_len: int, param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
-    """Cost of each layer (model order) for one token decoded at position `context_len`."""
-    H = cfg.hidden_size
-    mlp_params, mlp_flops = _mlp(cfg)
-    out = []
-    for kind in cfg.layer_types:
+    """Cost of each layer (model order) for one token decoded at position `context_len`. Parameter
+    counts and projection FLOPs come from the weight schema; the mixers' context terms are added here."""
+    per_kind = {}
+    for kind in schema.layer_kinds(cfg):
+        leaves = schema.layer_schema(cfg, kind)
+        params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves)
         if kind == ATTENTION:
-            q_out = cfg.q_size * (2 if cfg.attn_gate else 1)
-            proj = H * (q_out + 2 * cfg.kv_size) + cfg.q_size * H
-            extra = ((cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else 0) + (H if cfg.o_bias else 0) + (
-                2 * cfg.head_dim if cfg.qk_norm else 0)
-            params = proj + extra
             # scores and weighted values over the context, per query head
-            flops = 2 * proj + 2 * 2 * cfg.num_heads * cfg.head_dim * context_len
+            flops += 2 * 2 * cfg.num_heads * cfg.head_dim * context_len
             state = 2 * cfg.kv_size * context_len * cache_bytes
         else:
             lc = cfg.linear
-            proj = H * (lc.conv_dim + lc.value_size + 2 * lc.num_v_heads) + lc.value_size * H
-            params = proj + lc.conv_kernel * lc.conv_dim + 2 * lc.num_v_heads + lc.v_dim
             state_elems = lc.num_v_heads * lc.k_dim * lc.v_dim
             # decay, S^T k, rank-1 update, S^T q: ~4 passes over the state, plus the conv
-            flops = 2 * proj + 2 * lc.conv_kernel * lc.conv_dim + 8 * state_elems
+            flops += 2 * lc.conv_kernel * lc.conv_dim + 8 * state_elems
             state = 2 * state_elems * 4 + 2 * (lc.conv_kernel - 1) * lc.conv_dim * cache_bytes  # f32 state r+w
-        total = params + mlp_params
-        out.append(LayerCost(kind, total, flops + mlp_flops, total * param_bytes, state))
-    return out
+        per_kind[kind] = LayerCost(kind, params, flops, params * param_bytes, state)
+    return [per_kind[kind] for kind in cfg.layer_types]
 
 
 def head_cost(cfg: ModelConfig, param_bytes: int = 2) -> LayerCost:
     """Final norm + LM head for one token."""
-    p = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    g = schema.global_schema(cfg)
+    p = int(np.prod(g["embed"].shape)) + int(np.prod(g["final_norm"].shape))
     return LayerCost("lm_head", p, 2 * cfg.vocab_size * cfg.hidden_size, p * param_bytes, 0)

@@ -21,7 +21,7 @@ from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.mesh import AXIS, stage_mesh
-from spd_jax.spec.psm import PSM, PSMConfig, init_psm
+from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
 
 
 def _median_ms(fn, *args, iters: int) -> float:

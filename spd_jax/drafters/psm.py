@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
-from spd_jax.models import decoder
+from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
                                       softmax_blocks)
 from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
@@ -126,22 +126,9 @@ def anchor_states(emb: jax.Array, hidden: jax.Array, anchors: Sequence[int]) -> 
     return jnp.stack([emb if b == 0 else hidden[b - 1] for b in anchors], axis=2)
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """One full-attention decoder layer of the target's kind (see `spd_jax.models.decoder`)."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    s = {"attn_norm": (H,), "mlp_norm": (H,), "wq": (H, cfg.q_size), "wk": (H, cfg.kv_size),
-         "wv": (H, cfg.kv_size), "wo": (cfg.q_size, H), "w_gate": (H, I), "w_up": (H, I), "w_down": (I, H)}
-    if cfg.attn_gate:
-        s["wq_gate"] = (H, cfg.q_size)
-    if cfg.qk_norm:
-        s |= {"q_norm": (D,), "k_norm": (D,)}
-    if cfg.qkv_bias:
-        s |= {"bq": (cfg.q_size,), "bk": (cfg.kv_size,), "bv": (cfg.kv_size,)}
-    if cfg.o_bias:
-        s["bo"] = (H,)
-    if cfg.mlp_bias:
-        s |= {"b_gate": (I,), "b_up": (I,), "b_down": (H,)}
-    return s
+def _layer_schema(cfg: ModelConfig) -> dict:
+    """One full-attention decoder layer of the target's kind: the target's own weight schema."""
+    return schema.layer_schema(cfg, ATTENTION)
 
 
 class PSM(nn.Module):
@@ -150,20 +137,19 @@ class PSM(nn.Module):
 
     def setup(self):
         H, Ls = self.cfg.hidden_size, self.spec.num_layers
-        self.proj = [nn.Dense(H, use_bias=False, name=f"proj_{a}") for a in range(self.spec.m)]
-        norm_one = 1.0 - self.cfg.norm_offset  # weights that make a norm the identity scale
-
-        def init_for(name):
-            if name.endswith("norm"):
-                return lambda key, shape: jnp.full(shape, norm_one, jnp.float32)
-            if name.startswith("b"):
-                return nn.initializers.zeros
-            return nn.initializers.normal(0.02)
-
-        self.layers = {k: self.param(f"layer_{k}", init_for(k), (Ls, *shape))
-                       for k, shape in _layer_shapes(self.cfg).items()}
+        # Logical axes (Flax's logical partitioning) from the target's schema: the rules tables of
+        # `spd_jax.sharding` place the PSM with the same names as the target.
+        logical = nn.with_logical_partitioning
+        self.proj = [nn.Dense(H, use_bias=False, name=f"proj_{a}",
+                              kernel_init=logical(nn.initializers.lecun_normal(), (None, "embed")))
+                     for a in range(self.spec.m)]
+        self.layers = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), ("layers", *leaf.axes)),
+                                     (Ls, *leaf.shape))
+                       for k, leaf in _layer_schema(self.cfg).items()}
         V = self.spec.draft_vocab or self.cfg.vocab_size
-        self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (V, H))
+        # a draft vocabulary's rows are not the target's "vocab" axis (another size, other units)
+        vocab_axis = "draft_vocab" if self.spec.draft_vocab else "vocab"
+        self.lm_head = self.param("lm_head", logical(nn.initializers.normal(0.02), (vocab_axis, "embed")), (V, H))
         if self.spec.draft_vocab:  # [V'] token ids of the head's rows, sorted; not trained
             self.vocab_ids = self.variable("vocab", "ids", lambda: jnp.arange(V, dtype=jnp.int32))
 
@@ -334,18 +320,31 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
         if have < spec.num_layers:
             raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
                              f"{have} full-attention layers to copy")
-        for k in _layer_shapes(cfg):
+        for k in _layer_schema(cfg):
             # a copy: training donates the PSM's buffers, which must not alias the frozen target's
             params[f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_random(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
+def _init_boxed(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
+    """PSM variables with their logical axes (Flax `LogicallyPartitioned` boxes)."""
     H, T = cfg.hidden_size, 2
     cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
     return PSM(cfg, spec).init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
                                jnp.int32(0), jnp.ones((H,), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_random(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
+    return nn.unbox(_init_boxed(cfg, spec, seed))
+
+
+def psm_axes(cfg: ModelConfig, spec: PSMConfig) -> dict:
+    """The PSM's variables pytree with each leaf's logical axes (a tuple) in place of the array, for
+    `spd_jax.sharding.tree_shardings` (the `vocab` ids collection: one replicated axis)."""
+    boxed = jax.eval_shape(lambda: _init_boxed(cfg, spec, 0))
+    return jax.tree.map(lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else (None,) * len(x.shape),
+                        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
 class PSMCheckpointError(ValueError):
