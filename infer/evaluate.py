@@ -181,6 +181,12 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     return rows
 
 
+def spd_jax_methods() -> tuple[str, ...]:
+    from spd_jax.api import METHODS  # imports JAX: only after the CPU devices are requested
+
+    return METHODS
+
+
 def _csv(kind):
     return lambda v: [kind(x) for x in v.split(",") if x]
 
@@ -204,9 +210,9 @@ def main(argv=None) -> int:
     for t in args.temperature:
         if t not in SAMPLING:
             ap.error(f"--temperature takes 0 and/or 1 (the reference's settings), got {t}")
-    unknown = sorted(set(args.methods) - {"ar", "pipeline", "spd"})
+    unknown = sorted(set(args.methods) - set(spd_jax_methods()))
     if unknown:
-        ap.error(f"unknown methods {unknown}: available ar, pipeline, spd")
+        ap.error(f"unknown methods {unknown}: available {', '.join(spd_jax_methods())}")
     from spd_jax.sharding import request_cpu_devices
 
     request_cpu_devices(max(args.n))

@@ -68,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
-    ap.add_argument("--mode", choices=["ar", "pipeline", "spd"], default="spd",
+    ap.add_argument("--mode", choices=["ar", "tp", "pipeline", "spd"], default="spd",
                     help="spd: speculative pipeline decoding; pipeline: the same n stages, one token in flight; "
-                         "ar: plain autoregressive on one device")
-    ap.add_argument("--n", type=int, default=8, help="pipeline stages, one device each (spd, pipeline)")
+                         "tp: autoregressive, tensor-parallel over n devices; ar: plain autoregressive on one device")
+    ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
+                                                     "width (tp)")
     ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
     ap.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
@@ -129,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         spd_jax.enable_persistent_cache()
 
     try:
-        model = spd_jax.load_model(args.model, dtype=args.dtype)
+        if args.mode == "tp":  # every device reads only its own shard of each weight
+            from spd_jax.sharding import TP_RULES, model_mesh
+
+            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=model_mesh(args.n), rules=TP_RULES)
+        else:
+            model = spd_jax.load_model(args.model, dtype=args.dtype)
         if args.prompt_ids is not None:
             jobs = [(None, args.prompt_ids)]
         else:
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         # no --spec: the API takes the PSM shipped for this model and n, else a random one (with a notice)
         spec = "random" if args.random_psm else args.spec
         for text, ids in jobs:
-            stream = None if args.json or args.mode != "ar" else _TextStream(model)
+            stream = None if args.json or args.mode not in ("ar", "tp") else _TextStream(model)
             if not args.json:
                 print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 s = res.stats
                 if stream is None:
                     print(out_text, end="")
-                detail = (f"decode {s['decode_tokens_per_s']:.1f} tok/s" if args.mode == "ar" else
+                detail = (f"decode {s['decode_tokens_per_s']:.1f} tok/s on {s['devices']} device(s)"
+                          if args.mode in ("ar", "tp") else
                           f"n={s['n']} stages {s['stage_layers']}, alpha {s['alpha']:.3f}, S0 {s['S0']:.2f}, "
                           f"accepted {s['accepted']}, rejected {s['rejected']}, PSM {s['psm']}")
                 print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "

@@ -16,15 +16,17 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
-from spd_jax.convert.hf import load_hf_checkpoint
+from spd_jax.convert.hf import CheckpointReader
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
-from spd_jax.models import decoder
+from spd_jax.models import decoder, schema
+from spd_jax.sharding import STAGE, TP_RULES, Placement, Rules, model_mesh
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class Model:
     params: dict
     tokenizer: Any | None
     path: Path
+    # The opened checkpoint, for placements that read their own slices later (a pipeline's stages).
+    reader: Any | None = dataclasses.field(default=None, repr=False, compare=False)
     # Device-side copies derived from params (e.g. stage-stacked weights), built on first use.
     runtime: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -44,12 +48,25 @@ class Model:
     def dtype(self):
         return self.params["embed"].dtype
 
+    @property
+    def layers_loaded(self) -> bool:
+        """False for a model loaded for the pipeline (stage rules): its layers live only in the
+        per-stage stacks the pipeline reads from disk."""
+        return self.params.get("layers") is not None
+
+    def _require_layers(self, what: str) -> None:
+        if not self.layers_loaded:
+            raise ValueError(f"{what} needs the whole model's layers, but this model was loaded for the pipeline "
+                             "(load_model(..., rules=STAGE_RULES)) and holds only its stages' layers; load it "
+                             "without a stage mesh")
+
     def logits(self, token_ids) -> np.ndarray:
         """token_ids [B, T] ints -> float32 logits [B, T, V] (one full causal forward from position 0)."""
         ids = np.asarray(token_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"token_ids must be a non-empty [B, T] array, got shape {ids.shape}")
         self._check_ids(ids)
+        self._require_layers("Model.logits")
         cache = decoder.init_cache(self.config, ids.shape[0], ids.shape[1], self.dtype)
         out, _ = _forward_jit(self.params, jnp.asarray(ids, jnp.int32), cache, cfg=self.config)
         return np.asarray(out)
@@ -109,17 +126,35 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     return p
 
 
-def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "float32") -> Model:
-    """Load a model: config, params (on the default device) and tokenizer when the directory has one."""
+def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "float32", *,
+               mesh: Mesh | None = None, rules: Rules | None = None) -> Model:
+    """Load a model: config, params and tokenizer when the directory has one.
+
+    Without mesh: whole arrays on the default device. With mesh and rules (`spd_jax.sharding`): every
+    leaf placed with the sharding its logical axes get under rules, each device reading only its slice
+    from disk (e.g. `model_mesh(n)` with `TP_RULES` for method="tp"). With stage rules
+    (`stage_mesh(n)`, `STAGE_RULES`) only the embedding, final norm and head are loaded (replicated); the
+    pipeline reads each stage's layers onto that stage's device when it first runs."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if (mesh is None) != (rules is None):
+        raise ValueError("load_model takes mesh and rules together (e.g. mesh=model_mesh(2), rules=TP_RULES)")
     path = resolve_checkpoint(name_or_path)
-    cfg, params = load_hf_checkpoint(path, _DTYPES[dtype])
+    reader = CheckpointReader(path)
+    cfg = reader.cfg
+    if mesh is None:
+        params = reader.load(_DTYPES[dtype])
+    else:
+        placement = Placement(mesh, tuple(rules), tuple(schema.axis_units(cfg).items()))
+        axes = schema.param_axes(cfg)
+        if STAGE in dict(rules).values():
+            axes["layers"] = None  # read per stage by the pipeline
+        params = reader.load(_DTYPES[dtype], placement.shardings(axes), layers=axes["layers"] is not None)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer  # local files only; never remote code
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    return Model(cfg, params, tokenizer, path)
+    return Model(cfg, params, tokenizer, path, reader)
 
 
 @dataclasses.dataclass
@@ -133,7 +168,25 @@ class GenerateResult:
 _compiled = CompileCache()
 
 
-METHODS = ("ar", "pipeline", "spd")
+METHODS = ("ar", "tp", "pipeline", "spd")
+
+
+def tp_runtime(model: Model, n: int):
+    """Params placed for n-way tensor parallelism (`sharding.TP_RULES`), their per-layer decode copy
+    and the placement -> (params, layers, placement). Params loaded with that placement are used as
+    they are; others are resharded once (one tensor-parallel placement kept at a time)."""
+    key = ("tp", n)
+    if key not in model.runtime:
+        for old in [k for k in model.runtime if k[0] == "tp"]:
+            del model.runtime[old]
+        cfg = model.config
+        placement = Placement(model_mesh(n), TP_RULES, tuple(schema.axis_units(cfg).items()))
+        shardings = placement.shardings(schema.param_axes(cfg))
+        same = all(getattr(a, "sharding", None) == b for a, b in zip(jax.tree.leaves(model.params),
+                                                                     jax.tree.leaves(shardings)))
+        params = model.params if same else jax.device_put(model.params, shardings)
+        model.runtime[key] = (params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement)
+    return model.runtime[key]
 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -146,9 +199,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
 
     prompt_ids: the prompt's token ids. max_len: the context limit (default: the model's
     max_position_embeddings); the prompt plus max_new_tokens must fit in it. stream: called with each
-    token id as it commits (a host callback from inside the on-device loop; "ar" only).
-    method: "ar" (plain autoregressive), "pipeline" (n stages, one token in flight) or "spd"
-    (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
+    token id as it commits (a host callback from inside the on-device loop; "ar" and "tp").
+    method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
+    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
     stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: the PSM
     shipped for a default model at this n, else a random one; "random": an untrained PSM), psm_layers
     (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests).
@@ -166,14 +219,14 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     limit = max_len or cfg.max_position_embeddings
     P = int(prompt.size)
-    if P + max_new_tokens + (method != "ar") > limit:
+    if P + max_new_tokens + (method in ("pipeline", "spd")) > limit:
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {P + max_new_tokens} "
                          f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
                          "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
 
-    if method != "ar":
+    if method in ("pipeline", "spd"):
         if stream is not None:
-            raise ValueError("streaming is available for method='ar' only")
+            raise ValueError("streaming is available for method='ar' and 'tp' only")
         tokens, stats = generate_pipelined(model, prompt, int(max_new_tokens), sp, method=method, n=n,
                                            stage_layers=stage_layers, spec=spec, psm_layers=psm_layers,
                                            drafter=drafter, oracle_tokens=oracle_tokens, stop_at_eos=stop_at_eos)
@@ -188,21 +241,28 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     rt = sp.runtime()
     statics = dict(cfg=cfg, greedy=sp.greedy, filtered=sp.filtered)
     plen = jnp.int32(P)
-    if "decode_layers" not in model.runtime:
-        model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
-    layers = model.runtime["decode_layers"]
-    head = {k: v for k, v in model.params.items() if k != "layers"}
+    model._require_layers(f"method={method!r}")
+    if method == "tp":
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"tp needs a positive device count n, got {n!r}")
+        params, layers, placement = tp_runtime(model, int(n))
+    else:
+        if "decode_layers" not in model.runtime:
+            model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
+        params, layers, placement = model.params, model.runtime["decode_layers"], None
+    head = {k: v for k, v in params.items() if k != "layers"}
 
-    pre_args = (model.params, prompt_arr, plen, rt)
-    pre_statics = dict(statics, cache_len=cache_len)
+    pre_args = (params, prompt_arr, plen, rt)
+    pre_statics = dict(statics, cache_len=cache_len, placement=placement)
     events = cache_events()
-    pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, *statics.items()),
+    pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, placement, *statics.items()),
                             lambda: ar.prefill.lower(*pre_args, **pre_statics))
     loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
+    loop_key = ("loop", cache_len, eos_arr.shape, model.dtype, placement, *loop_statics.items())
     # Shapes only, for lowering: the real caches come out of prefill (donated into the loop).
     caches = jax.eval_shape(lambda: decoder.split_cache(decoder.init_cache(cfg, 1, cache_len, model.dtype), cfg))
     loop_args = (layers, head, jnp.int32(0), plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
-    loop, c2 = _compiled.get(("loop", cache_len, eos_arr.shape, model.dtype, *loop_statics.items()),
+    loop, c2 = _compiled.get(loop_key,
                              lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
     compile_from = compile_source(events, c1 + c2)  # now: the run's own eager ops also touch the cache
 
@@ -213,23 +273,25 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     if stream is not None:
         ar.set_stream_sink(lambda tok, i: stream(tok))
     try:
-        out, n, _ = loop(layers, head, first, plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
-        n = int(n)  # waits for the loop
-        tokens = np.asarray(out[:n]).tolist()
+        out, count, _ = loop(layers, head, first, plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
+        count = int(count)  # waits for the loop
+        tokens = np.asarray(out[:count]).tolist()
     finally:
         ar.set_stream_sink(None)
     t2 = time.perf_counter()
 
     decode_s = t2 - t1
     stats = dict(
-        method="ar", tokens=n, prompt_tokens=P,
+        method=method, tokens=count, prompt_tokens=P,
         prefill_s=t1 - t0, decode_s=decode_s, wall_s=t2 - t0,
-        tokens_per_s=n / (t2 - t0),
-        decode_tokens_per_s=(n - 1) / decode_s if n > 1 else float("nan"),
+        tokens_per_s=count / (t2 - t0),
+        decode_tokens_per_s=(count - 1) / decode_s if count > 1 else float("nan"),
         compile_s=c1 + c2, compile_from=compile_from,
-        stopped_at_eos=bool(n and tokens[-1] in set(eos.tolist())),
-        backend=jax.default_backend(),
+        stopped_at_eos=bool(count and tokens[-1] in set(eos.tolist())),
+        backend=jax.default_backend(), devices=placement.mesh.size if placement else 1,
         timing_includes=("device compute, host dispatch and the device-to-host copy of the result"
+                         + (", and the all-reduces after every attention-out and MLP-down projection and "
+                            "across the vocabulary shards" if placement else "")
                          + (", plus one host callback per token for streaming" if stream else "")
                          + "; excludes compilation (compile_s, ahead of time, cached per shape bucket). "
                            "decode_tokens_per_s counts tokens after the first over the decode loop alone"),

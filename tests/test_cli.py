@@ -84,3 +84,13 @@ def test_default_model_spd_on_8_devices_equals_ar(smollm2):
     assert s["tokens"] == len(ar["token_ids"]) and s["cycles"] >= s["tokens"] and 0 < s["alpha"] <= 1
     # the plain pipeline in process (the CLI path is the one above)
     assert spd_jax.generate(smollm2, prompt_ids, 40, method="pipeline", n=4).token_ids == ar["token_ids"]
+
+
+@pytest.mark.real_model
+def test_default_model_tp_equals_ar(smollm2):
+    """python -m infer.generate --mode tp --n 2: a sharded load (MLP and vocabulary split; SmolLM2's 9/3
+    heads replicated on 2 devices) gives ar's tokens."""
+    p = json.loads(run_cli("--mode", "tp", "--n", "2", "--prompt-ids", "1,504,3458,253,1183", "--max-new-tokens",
+                           "24", "--no-eos", "--json").stdout.strip().splitlines()[-1])
+    assert p["token_ids"] == spd_jax.generate(smollm2, [1, 504, 3458, 253, 1183], 24, stop_at_eos=False).token_ids
+    assert p["stats"]["method"] == "tp" and p["stats"]["devices"] == 2

@@ -20,7 +20,8 @@ from jax.experimental import io_callback
 
 from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose
-from spd_jax.models import decoder
+from spd_jax.models import decoder, schema
+from spd_jax.sharding import Placement
 
 PROMPT_BUCKET = 64
 CACHE_BUCKET = 128
@@ -46,21 +47,26 @@ def _emit(token, index):
         _stream_sink(int(token), int(index))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len", "placement"))
 def prefill(params, prompt: jax.Array, prompt_len: jax.Array, sp: dict, *, cfg: ModelConfig, greedy: bool,
-            filtered: bool, cache_len: int):
+            filtered: bool, cache_len: int, placement: Placement | None = None):
     """prompt [1, P_pad] (valid up to prompt_len) -> (first token [], per-layer caches of cache_len
     positions, as `decode_loop` takes them).
 
     Padding positions write garbage keys past prompt_len, which decode overwrites before they are
     ever attended to (attention only reaches positions <= the query's own); recurrent layers stop
-    their state at prompt_len.
+    their state at prompt_len. placement (tensor parallelism): the caches are pinned to their logical
+    shardings (KV heads split where the weights' are), which the decode loop then keeps.
     """
     cache = decoder.init_cache(cfg, 1, cache_len, params["embed"].dtype)
+    if placement is not None:
+        cache = placement.constrain(cache, schema.cache_axes(cfg))
     x, cache, _ = decoder.run_layers(params["layers"], decoder.embed(params, prompt), cache,
                                      jnp.int32(0), cfg, length=prompt_len)
     last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)  # [1, 1, H]
     logits = decoder.lm_logits(params, last, cfg)[0, 0]
+    if placement is not None:
+        cache = placement.constrain(cache, schema.cache_axes(cfg))
     return choose(logits, prompt_len, sp, greedy, filtered), decoder.split_cache(cache, cfg)
 
 

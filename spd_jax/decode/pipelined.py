@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
@@ -22,7 +21,8 @@ from spd_jax.decode.spd import EngineConfig, build
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
-from spd_jax.pipeline.mesh import AXIS, stage_mesh
+from spd_jax.models import schema
+from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
 from spd_jax.drafters.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
 
@@ -89,15 +89,20 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
     # + n + 1: the PSM recomputes a block of n + 1 rows that may reach past the last generated position
     cache_len = ar.round_up(max(P_ + max_new_tokens + plan.n + 1, p_pad), ar.CACHE_BUCKET)
-    rep, st = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(cfg).items()))
+    rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
 
     key = ("stage_weights", plan, anchors)
     if key not in model.runtime:
         for old in [k for k in model.runtime if k[0] == "stage_weights"]:
             del model.runtime[old]  # one placement at a time: stage weights are a copy of the layers
-        model.runtime[key] = (jax.device_put(stages.stack_stage_weights(model.params["layers"], cfg, layout), st),
-                        jax.device_put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
-                        jax.device_put({k: v for k, v in model.params.items() if k != "layers"}, rep))
+        if model.layers_loaded:
+            stage_w = placement.put(stages.stack_stage_weights(model.params["layers"], cfg, layout),
+                                    stages.stage_weight_axes(cfg, layout))
+        else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
+            stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
+        model.runtime[key] = (stage_w, jax.device_put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
+                              jax.device_put({k: v for k, v in model.params.items() if k != "layers"}, rep))
     stage_w, prog, shared = model.runtime[key]
     caches = jax.device_put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
     if psm_cfg:

@@ -28,12 +28,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose, token_key, warp_logits
 from spd_jax.models import decoder
-from spd_jax.pipeline.mesh import AXIS
+from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec
 from spd_jax.pipeline.stages import StageLayout, stage_forward
 from spd_jax.drafters.psm import PSM, PSMConfig
 
@@ -65,14 +64,19 @@ def build(ec: EngineConfig, mesh):
     """-> jitted fn(stage_w, prog, shared, psm_vars, caches, psm_cache, prompt, prompt_len, max_new,
     eos_ids, sp, ref) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [n, S], caches,
     psm_cache). Caches are donated."""
-    rep, st = P(), P(AXIS)
+    # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
+    rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
     smap = jax.shard_map(
         body, mesh=mesh,
         in_specs=(st, st, rep, rep, st, st, rep, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
         # Replicated values are made identical by psum-broadcasts from the deciding stage (and checked
-        # in tests by returning every stage's copy of the sequence); varying-ness is not tracked.
+        # in tests by returning every stage's copy of the sequence); varying-ness is not tracked yet.
+        # With check_vma=True the first obstacle is `stage_forward`'s lax.switch: its empty-slot branch
+        # returns its (possibly invariant) input while the layer branches return values computed from
+        # the stage's own (varying) weights, and switch/cond require equal types; every such branch,
+        # and the loop carries, would need a `pcast(..., to="varying")` first.
         check_vma=False)
     return jax.jit(smap, donate_argnums=(4, 5))
 
@@ -82,7 +86,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     cfg, lay, n = ec.cfg, ec.layout, ec.n
     last, m, H, S, Pp = n - 1, len(lay.anchors), cfg.hidden_size, ec.cache_len, ec.prompt_pad
     W = n + 2  # anchor-table ring over positions; > the n + 1 positions a cycle can touch
-    s = jax.lax.axis_index(AXIS)
+    s = jax.lax.axis_index(STAGE)
     is_last = s == last
     w = jax.tree.map(lambda t: t[0], stage_w)
     pr = jax.tree.map(lambda t: t[0], prog)
@@ -96,10 +100,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     def bcast(v, src=last):
         """A value computed on stage `src` -> the same value on every stage."""
         v = jnp.asarray(v)
-        return jax.lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), AXIS).astype(v.dtype)
+        return jax.lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), STAGE).astype(v.dtype)
 
     def permute(x):
-        return jax.lax.ppermute(x, AXIS, fwd) if n > 1 else x
+        return jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
 
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
@@ -123,7 +127,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     y0 = bcast(y0)
 
     if use_psm:  # the prompt's rows, all of the deepest type, into the PSM cache
-        anc_all = jax.lax.psum(anc_prompt, AXIS).at[0].set(emb)  # [m, 1, Pp, H]
+        anc_all = jax.lax.psum(anc_prompt, STAGE).at[0].set(emb)  # [m, 1, Pp, H]
 
         def psm_prefill(pc):
             return module.apply(psm_vars, jnp.moveaxis(anc_all[:, 0], 0, 1), pc, method=PSM.prefill)
@@ -209,8 +213,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         if use_psm:
             slot = pos_s % W
             mine = produces & valid_s
-            contrib = jax.lax.psum(jnp.zeros((W, m, H), anc.dtype).at[slot].set(anc[:, 0, 0] * mine[:, None]), AXIS)
-            has = jax.lax.psum(jnp.zeros((W, m), jnp.int32).at[slot].set(mine.astype(jnp.int32)), AXIS) > 0
+            contrib = jax.lax.psum(jnp.zeros((W, m, H), anc.dtype).at[slot].set(anc[:, 0, 0] * mine[:, None]), STAGE)
+            has = jax.lax.psum(jnp.zeros((W, m), jnp.int32).at[slot].set(mine.astype(jnp.int32)), STAGE) > 0
             table = jnp.where(has[..., None], contrib, table)
 
         # 4. verify on the last stage; the decision is made identical everywhere

@@ -162,16 +162,17 @@ def forward(params: Params, tokens: jax.Array, cache: Cache, pos: jax.Array, cfg
 # matrices run far below the memory bandwidth), and every cache write depends on the layer's output.
 
 
-def decode_layers(layers: Params, cfg: ModelConfig) -> list[Params]:
+def decode_layers(layers: Params, cfg: ModelConfig, fuse_qkv: bool = True) -> list[Params]:
     """Per-kind stacks -> one weight dict per layer (model order, no leading axis), a copy for
-    `decode_step`. Attention layers hold w_qkv [H, (Nq + 2 Nkv) D] (and b_qkv) instead of wq/wk/wv."""
+    `decode_step`. With fuse_qkv, attention layers hold w_qkv [H, (Nq + 2 Nkv) D] (and b_qkv) instead
+    of wq/wk/wv; tensor parallelism keeps them apart (a fused column split would not fall on heads)."""
     seen = {ATTENTION: 0, LINEAR: 0}
     out = []
     for kind in cfg.layer_types:
         i = seen[kind]
         seen[kind] += 1
         lp = {k: v[i] for k, v in layers[kind].items()}
-        if kind == ATTENTION:
+        if kind == ATTENTION and fuse_qkv:
             lp["w_qkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
             if cfg.qkv_bias:
                 lp["b_qkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
@@ -210,12 +211,16 @@ def _attention_step(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: 
     B = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    qkv = h @ lp["w_qkv"]
-    if cfg.qkv_bias:
-        qkv = qkv + lp["b_qkv"]
-    q = qkv[..., :nq * d].reshape(B, 1, nq, d)
-    k = qkv[..., nq * d:(nq + nkv) * d].reshape(B, 1, nkv, d)
-    v = qkv[..., (nq + nkv) * d:].reshape(B, 1, nkv, d)
+    if "w_qkv" in lp:
+        qkv = h @ lp["w_qkv"]
+        if cfg.qkv_bias:
+            qkv = qkv + lp["b_qkv"]
+        q, k, v = qkv[..., :nq * d], qkv[..., nq * d:(nq + nkv) * d], qkv[..., (nq + nkv) * d:]
+    else:
+        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = q.reshape(B, 1, nq, d), k.reshape(B, 1, nkv, d), v.reshape(B, 1, nkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)

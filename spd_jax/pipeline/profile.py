@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.pipeline import stages
-from spd_jax.pipeline.mesh import AXIS, stage_mesh
+from spd_jax.sharding import STAGE, stage_mesh
 from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
 
 
@@ -77,15 +77,15 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def collectives(x, table):
         def body(_, c):
             x, table = c
-            x = jax.lax.ppermute(x, AXIS, fwd) if n > 1 else x
-            table = jax.lax.psum(table, AXIS)
-            d = jax.lax.psum(jnp.int32(1), AXIS) + jax.lax.psum(jnp.int32(1), AXIS) + jax.lax.psum(jnp.int32(1), AXIS)
+            x = jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
+            table = jax.lax.psum(table, STAGE)
+            d = jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE)
             return x + d.astype(x.dtype), table
         return jax.lax.fori_loop(0, reps, body, (x, table))
 
-    comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)),
+    comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE)),
                                  check_vma=False))
-    st = NamedSharding(mesh, P(AXIS))
+    st = NamedSharding(mesh, P(STAGE))
     xs = jax.device_put(jnp.zeros((n, 1, H), model.dtype), st)
     tables = jax.device_put(jnp.zeros((n * W, m, H), model.dtype), st)
     comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models import decoder
+from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache
 from spd_jax.models.deltanet import LinearState
 from spd_jax.models.layers import rope_cos_sin
@@ -76,20 +76,49 @@ def program(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
     return dict(kind_id=kind_id, kind_index=kind_index, anchor_id=anchor_id)
 
 
+def stage_layer_ids(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
+    """{kind: [n, max_k] int32}: the model layer held in each stage's slot of that kind's stack, -1 for
+    a zero-padded slot. The one statement of which device holds which layer."""
+    out = {}
+    for kind, mx in layout.max_per_kind:
+        ids = np.full((layout.plan.n, mx), -1, np.int32)
+        for s, (a, b) in enumerate(layout.plan.bounds):
+            mine = [i for i in range(a, b) if cfg.layer_types[i] == kind]
+            ids[s, :len(mine)] = mine
+        out[kind] = ids
+    return out
+
+
+def stage_weight_axes(cfg: ModelConfig, layout: StageLayout) -> dict:
+    """Logical axes of the stage stacks: ("stage", "layers", *the leaf's axes)."""
+    return {kind: {k: ("stage", "layers", *leaf.axes) for k, leaf in schema.layer_schema(cfg, kind).items()}
+            for kind, _ in layout.max_per_kind}
+
+
 def stack_stage_weights(layers: dict, cfg: ModelConfig, layout: StageLayout) -> dict:
     """Model-order per-kind stacks -> {kind: [n, max_k, ...]} with each stage's layers, zero padded."""
     out = {}
-    for kind, mx in layout.max_per_kind:
-        before = 0
-        per_stage = []
-        for a, b in layout.plan.bounds:
-            k = cfg.layer_types[a:b].count(kind)
-            sl = jax.tree.map(lambda t: t[before:before + k], layers[kind])
-            before += k
-            per_stage.append(jax.tree.map(
-                lambda t: jnp.concatenate([t, jnp.zeros((mx - k, *t.shape[1:]), t.dtype)]) if k < mx else t, sl))
-        out[kind] = jax.tree.map(lambda *ts: jnp.stack(ts), *per_stage)
+    for kind, ids in stage_layer_ids(cfg, layout).items():
+        # model layer index -> index in the per-kind stack
+        pos = np.cumsum([k == kind for k in cfg.layer_types]) - 1
+        idx = jnp.asarray(np.where(ids >= 0, pos[np.maximum(ids, 0)], 0))
+        keep = jnp.asarray(ids >= 0)
+        out[kind] = jax.tree.map(
+            lambda t: jnp.where(keep.reshape(*keep.shape, *(1,) * (t.ndim - 1)), t[idx], jnp.zeros((), t.dtype)),
+            layers[kind])
     return out
+
+
+def load_stage_weights(reader, cfg: ModelConfig, layout: StageLayout, placement, dtype) -> dict:
+    """The stage stacks read straight from a checkpoint (`convert.hf.CheckpointReader`), each placed
+    with its sharding under `placement` (stage rules): device s reads and holds only stage s's layers."""
+    ids = stage_layer_ids(cfg, layout)
+    shardings = placement.shardings(stage_weight_axes(cfg, layout))
+    np_dtype = jnp.dtype(dtype)
+    return {kind: {k: jax.make_array_from_callback(
+        (*ids[kind].shape, *leaf.shape), shardings[kind][k],
+        lambda ix, kind=kind, k=k: reader.read_stack(kind, k, ids[kind], ix, np_dtype))
+        for k, leaf in schema.layer_schema(cfg, kind).items()} for kind in ids}
 
 
 def init_stage_caches(cfg: ModelConfig, layout: StageLayout, batch: int, max_len: int, ring: int,
