@@ -1,7 +1,7 @@
 """Compile time and peak memory per method, pipeline depth and prompt length, cold and from the
 persistent compilation cache.
 
-    python -m bench.compile [--model smollm2-135m-instruct] [--methods ar,pipeline,spd] [--n 2,4,8]
+    python -m bench.compile [--model smollm2-135m-instruct] [--methods ar,tp,pipeline,spd] [--n 2,4,8]
                             [--prompt-lens 128,512,2048] [--json]
 
 Each measurement is a fresh process (so no in-process cache helps) generating 2 tokens from a prompt of
@@ -44,7 +44,7 @@ def _child(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--methods", default="ar,pipeline,spd")
+    ap.add_argument("--methods", default="ar,tp,pipeline,spd")
     ap.add_argument("--n", default="2,4,8")
     ap.add_argument("--prompt-lens", default="128,512,2048")
     ap.add_argument("--json", action="store_true")
