@@ -51,7 +51,7 @@ def _teacher_anchors(model, tokens, anchors):
     return anchor_states(emb, hidden, anchors)  # [1, T, m, H]
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])  # the shallowest and the deepest staircase
 def test_train_forward_equals_engine_draft(deep, n):
     _check_train_equals_engine(deep, n)
 

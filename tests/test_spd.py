@@ -48,6 +48,10 @@ _SPLITS = [(1, None), (2, None), (4, None), (8, None), (3, [1, 4, 3]), (4, [3, 1
 @pytest.mark.parametrize("method,n,stage_layers", [("spd", *c) for c in _SPLITS]
                          + [("pipeline", 2, None), ("pipeline", 8, None), ("pipeline", 4, [3, 1, 1, 3])])
 def test_greedy_equals_autoregressive(deep, reference, n, stage_layers, method):
+    if deep.config.model_type == "qwen3_5" and method == "spd" and n < 3:
+        # n = 1 and 2 exercise nothing kind-specific (llama runs them); Qwen3.5's mixed stages are
+        # covered at n = 3 (uneven), 4 (even and uneven) and 8. Keeps the suite inside its time budget.
+        pytest.skip("covered by llama at n < 3")
     _check_lossless(deep, reference, n, stage_layers, method)
 
 
