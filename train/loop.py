@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from spd_jax.models import decoder
-from spd_jax.sharding import DATA
+from spd_jax.sharding import DATA, DP_RULES, logical_spec
 from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
 
 log = logging.getLogger(__name__)
@@ -297,9 +296,12 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
 
     # check_vma off: the decoder's scans start some carries (recurrent states) replicated and make them
     # per-shard; every replicated output here is a psum or computed from psums, so it is identical.
-    smap = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(DATA)), out_specs=(P(), P()),
-                         check_vma=False)
-    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
+    # batches lead with the "batch" logical axis (split over `data` by the DP rules); the rest is
+    # replicated (the PSM's and target's logical axes map to nothing under these rules)
+    rep_spec, dat_spec = logical_spec((), DP_RULES), logical_spec(("batch",), DP_RULES)
+    smap = jax.shard_map(local, mesh=mesh, in_specs=(rep_spec, rep_spec, rep_spec, dat_spec),
+                         out_specs=(rep_spec, rep_spec), check_vma=False)
+    rep, dat = NamedSharding(mesh, rep_spec), NamedSharding(mesh, dat_spec)
     return jax.jit(smap, in_shardings=(rep, rep, rep, dat), out_shardings=(rep, rep), donate_argnums=(0,))
 
 
