@@ -75,7 +75,7 @@ def _run(model, tc, spec, opt, mesh_str, steps, state=None, frozen=None, start=0
 
 def test_loss_decreases(deep):
     tc, spec, opt = _setup(deep)
-    _, _, losses = _run(deep, tc, spec, opt, "8x1", 30)
+    _, _, losses = _run(deep, tc, spec, opt, "8x1", 20)
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
@@ -198,7 +198,8 @@ def test_packaged_sharegpt_file():
 
 
 @pytest.mark.real_model
-def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
+def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
+    """One train.main run (resuming is checked in process: test_checkpoint_roundtrip_and_resume)."""
     out = tmp_path / "run"
     common = [sys.executable, "-m", "train.main", "--config", str(ROOT / "configs/train/smollm2-n8.yaml"),
               "--mesh", "2x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[192]", "max_len=192",
@@ -207,11 +208,8 @@ def test_cli_trains_resumes_and_the_psm_decodes(smollm2, tmp_path):
               "log_every=1", "n=2",  # n=2: the quick eval's engine compiles fast; n=8 is the CLI test's
               "draft_vocab=4096"]
     env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run(common + ["--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
     # the quick eval at step 3 runs the SPD engine with the trained weights
-    r = subprocess.run(common + ["--steps", "3", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(common + ["--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]
