@@ -35,8 +35,6 @@ STAGE_RULES: Rules = (("stage", STAGE),)
 TP_RULES: Rules = (("q_heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
 # Data parallel: the batch split, weights replicated.
 DP_RULES: Rules = (("batch", DATA),)
-# Training on a data x model mesh.
-DP_TP_RULES: Rules = DP_RULES + TP_RULES
 
 
 def logical_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh | None = None,

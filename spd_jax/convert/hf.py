@@ -172,11 +172,3 @@ class CheckpointReader:
         log.info("loaded %s (%s, %d layers%s) from %s", self.cfg.model_type, np_dtype.name, self.cfg.num_layers,
                  ", sharded" if shardings else "", self.path)
         return params
-
-
-def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32, shardings: dict | None = None
-                       ) -> tuple[ModelConfig, dict]:
-    """Load an HF decoder checkpoint directory into (config, params). dtype: the params' dtype;
-    shardings: optional per-leaf NamedShardings (see `CheckpointReader.load`)."""
-    reader = CheckpointReader(ckpt_dir)
-    return reader.cfg, reader.load(dtype, shardings)

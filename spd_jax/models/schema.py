@@ -161,14 +161,6 @@ def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(k for k in (ATTENTION, LINEAR) if k in cfg.layer_types)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The params pytree as jax.ShapeDtypeStruct-free shape tuples (per-kind stacks included)."""
-    out = {k: leaf.shape for k, leaf in global_schema(cfg).items()}
-    out["layers"] = {kind: {k: (cfg.layer_types.count(kind), *leaf.shape) for k, leaf in layer_schema(cfg, kind).items()}
-                     for kind in layer_kinds(cfg)}
-    return out
-
-
 def param_axes(cfg: ModelConfig) -> dict:
     """The params pytree with each leaf's logical axes (a tuple) in place of the array."""
     out = {k: leaf.axes for k, leaf in global_schema(cfg).items()}
@@ -214,17 +206,15 @@ def initializer(leaf: Leaf, cfg: ModelConfig) -> Callable:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random decoder params (jit this with out_shardings from `spd_jax.sharding` to create them
-    sharded)."""
-    shapes, out = param_shapes(cfg), {}
-    schema = dict(global_schema(cfg), **{f"layers/{kind}/{k}": leaf for kind in layer_kinds(cfg)
-                                        for k, leaf in layer_schema(cfg, kind).items()})
-    keys = dict(zip(schema, jax.random.split(key, len(schema))))
-    for name, leaf in schema.items():
-        if name.startswith("layers/"):
-            _, kind, k = name.split("/")
-            out.setdefault("layers", {}).setdefault(kind, {})[k] = initializer(leaf, cfg)(
-                keys[name], shapes["layers"][kind][k], dtype)
-        else:
-            out[name] = initializer(leaf, cfg)(keys[name], leaf.shape, dtype)
+    """Random decoder params in the converter's layout (jit this with out_shardings from
+    `spd_jax.sharding` to create them sharded)."""
+    leaves = [((k,), leaf, leaf.shape) for k, leaf in global_schema(cfg).items()]
+    leaves += [(("layers", kind, k), leaf, (cfg.layer_types.count(kind), *leaf.shape))
+               for kind in layer_kinds(cfg) for k, leaf in layer_schema(cfg, kind).items()]
+    out: dict = {}
+    for (path, leaf, shape), k in zip(leaves, jax.random.split(key, len(leaves))):
+        node = out
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = initializer(leaf, cfg)(k, shape, dtype)
     return out
