@@ -294,13 +294,12 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
                        positions=sums["positions"], grad_norm=optax.tree.norm(grads))
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
-    # check_vma off: the decoder's scans start some carries (recurrent states) replicated and make them
-    # per-shard; every replicated output here is a psum or computed from psums, so it is identical.
+    # varying-ness is checked: every replicated output is a psum or computed from psums
     # batches lead with the "batch" logical axis (split over `data` by the DP rules); the rest is
     # replicated (the PSM's and target's logical axes map to nothing under these rules)
     rep_spec, dat_spec = logical_spec((), DP_RULES), logical_spec(("batch",), DP_RULES)
     smap = jax.shard_map(local, mesh=mesh, in_specs=(rep_spec, rep_spec, rep_spec, dat_spec),
-                         out_specs=(rep_spec, rep_spec), check_vma=False)
+                         out_specs=(rep_spec, rep_spec))
     rep, dat = NamedSharding(mesh, rep_spec), NamedSharding(mesh, dat_spec)
     return jax.jit(smap, in_shardings=(rep, rep, rep, dat), out_shardings=(rep, rep), donate_argnums=(0,))
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose, token_key, warp_logits
 from spd_jax.models import decoder
-from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec
+from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec, vary
 from spd_jax.pipeline.stages import StageLayout, stage_forward
 from spd_jax.drafters.psm import PSM, PSMConfig
 
@@ -71,13 +71,11 @@ def build(ec: EngineConfig, mesh):
         body, mesh=mesh,
         in_specs=(st, st, rep, rep, st, st, rep, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
-        # Replicated values are made identical by psum-broadcasts from the deciding stage (and checked
-        # in tests by returning every stage's copy of the sequence); varying-ness is not tracked yet.
-        # With check_vma=True the first obstacle is `stage_forward`'s lax.switch: its empty-slot branch
-        # returns its (possibly invariant) input while the layer branches return values computed from
-        # the stage's own (varying) weights, and switch/cond require equal types; every such branch,
-        # and the loop carries, would need a `pcast(..., to="varying")` first.
-        check_vma=False)
+        # Varying-ness is checked: replicated values (the sequence, the bookkeeping, the decision) come
+        # out of psum-broadcasts from the deciding stage, so JAX proves them identical on every stage;
+        # per-stage values (hidden states, caches, PSM state) are cast varying where a replicated
+        # constant meets them in a cond/switch branch or a loop carry (`vary`).
+        check_vma=True)
     return jax.jit(smap, donate_argnums=(4, 5))
 
 
@@ -108,29 +106,31 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
     emb = decoder.embed(shared, prompt)  # [1, Pp, H]
+    x0 = vary(emb, STAGE)  # each stage's hidden state is its own from the first round on
 
     def prefill_round(r, carry):
         x, cache, anc_prompt = carry
         x, cache, anc = jax.lax.cond(
             s == r,
             lambda a: stage_forward(w, a[1], pr, a[0], jnp.int32(0), cfg, lay, length=prompt_len),
-            lambda a: (a[0], a[1], jnp.zeros((m, 1, Pp, H), a[0].dtype)),
+            lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, Pp, H), a[0].dtype), STAGE)),
             (x, cache))
         x = jnp.where(r < last, permute(x), x)  # the last stage keeps its output
         return x, cache, anc_prompt + anc
 
-    x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round, (emb, cache, jnp.zeros((m, 1, Pp, H), emb.dtype)))
+    x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round, (x0, cache, vary(jnp.zeros((m, 1, Pp, H), emb.dtype), STAGE)))
     h_last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)
     y0 = jax.lax.cond(is_last, lambda h: choose(decoder.lm_logits(shared, h, cfg)[0, 0], prompt_len, sp,
                                                 ec.greedy, ec.filtered),
-                      lambda h: jnp.int32(0), h_last)
+                      lambda h: vary(jnp.int32(0), STAGE), h_last)
     y0 = bcast(y0)
 
     if use_psm:  # the prompt's rows, all of the deepest type, into the PSM cache
         anc_all = jax.lax.psum(anc_prompt, STAGE).at[0].set(emb)  # [m, 1, Pp, H]
 
         def psm_prefill(pc):
-            return module.apply(psm_vars, jnp.moveaxis(anc_all[:, 0], 0, 1), pc, method=PSM.prefill)
+            # the PSM's rows meet its (per-stage) cache inside its layer scan: cast to that type first
+            return module.apply(psm_vars, vary(jnp.moveaxis(anc_all[:, 0], 0, 1), STAGE), pc, method=PSM.prefill)
 
         pcache = jax.lax.cond(is_last, psm_prefill, lambda pc: pc, pcache)
 
@@ -143,8 +143,9 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
                  psm_len=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
                  cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
                  done=jnp.any(y0 == eos_ids) | (max_new <= 1))
-    local = dict(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
-                 qring=jnp.zeros((n, V) if sampling_psm else (1, 1), jnp.float32))
+    # per-stage carries: what the stages compute differs between them from the first cycle on
+    local = vary(dict(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
+                      qring=jnp.zeros((n, V) if sampling_psm else (1, 1), jnp.float32)), STAGE)
     budget_end = prompt_len + max_new  # positions < budget_end may be generated
 
     def draft_psm(st, loc):
@@ -152,7 +153,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
         h = st["table"][rows_pos % W].at[:, 0].set(
             decoder.embed(shared, st["seq"][jnp.clip(rows_pos, 0, S - 1)][None])[0])
-        logits, pcache = module.apply(psm_vars, h, loc["pcache"], pc, t, st["completed"], shared["final_norm"],
+        logits, pcache = module.apply(psm_vars, vary(h, STAGE), loc["pcache"], pc, t, st["completed"], shared["final_norm"],
                                       method=PSM.draft_step)
         if ec.greedy:
             return jnp.argmax(logits).astype(jnp.int32), pcache, loc["qring"]
@@ -192,7 +193,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         pcache, qring = loc["pcache"], loc["qring"]
         if use_psm:
             draft, pcache, qring = jax.lax.cond(is_last, lambda a: draft_psm(*a), lambda a: (
-                jnp.int32(0), a[1]["pcache"], a[1]["qring"]), (st, loc))
+                vary(jnp.int32(0), STAGE), a[1]["pcache"], a[1]["qring"]), (st, loc))
             draft = bcast(draft)
         elif ec.drafter == "oracle":
             draft = ref[jnp.minimum(t + 1, S - 1)]
@@ -205,7 +206,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         x_out, cache, anc = jax.lax.cond(
             valid_s,
             lambda a: stage_forward(w, a[1], pr, a[0], pos_s, cfg, lay),
-            lambda a: (a[0], a[1], jnp.zeros((m, 1, 1, H), a[0].dtype)),
+            lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, 1, H), a[0].dtype), STAGE)),
             (x_in, loc["cache"]))
 
         # 3. anchor states of the in-flight tokens, gathered everywhere
@@ -219,7 +220,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
         # 4. verify on the last stage; the decision is made identical everywhere
         verified = valid[last]
-        ok, y = jax.lax.cond(is_last & verified, lambda a: verify(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
+        ok, y = jax.lax.cond(is_last & verified, lambda a: vary(verify(*a), STAGE),
+                             lambda a: vary((jnp.bool_(False), jnp.int32(0)), STAGE),
                              (st, dict(loc, qring=qring), x_out))
         ok, y = bcast(ok.astype(jnp.int32)) > 0, bcast(y)
         p1 = t - last + 1

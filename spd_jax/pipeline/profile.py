@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.pipeline import stages
-from spd_jax.sharding import STAGE, stage_mesh
+from spd_jax.sharding import STAGE, stage_mesh, vary
 from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
 
 
@@ -78,13 +78,12 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
         def body(_, c):
             x, table = c
             x = jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
-            table = jax.lax.psum(table, STAGE)
+            table = vary(jax.lax.psum(table, STAGE), STAGE)  # the carry stays per-stage
             d = jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE)
             return x + d.astype(x.dtype), table
         return jax.lax.fori_loop(0, reps, body, (x, table))
 
-    comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE)),
-                                 check_vma=False))
+    comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE))))
     st = NamedSharding(mesh, P(STAGE))
     xs = jax.device_put(jnp.zeros((n, 1, H), model.dtype), st)
     tables = jax.device_put(jnp.zeros((n * W, m, H), model.dtype), st)
