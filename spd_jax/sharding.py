@@ -35,6 +35,9 @@ STAGE_RULES: Rules = (("stage", STAGE),)
 TP_RULES: Rules = (("q_heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
 # Data parallel: the batch split, weights replicated.
 DP_RULES: Rules = (("batch", DATA),)
+# PSM training on a `data x model` mesh: batches split over `data`, the frozen target split over
+# `model` as in tensor-parallel decoding.
+TRAIN_RULES: Rules = DP_RULES + TP_RULES
 
 
 def logical_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh | None = None,

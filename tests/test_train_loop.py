@@ -128,10 +128,17 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
 
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
-    # 4-way data parallel (x 2 model, replicated in training) against one device: the same sums, split
-    # over devices and reduced in another order
+    # 4-way data parallel x 2-way model parallel (the target split) against one device: the same sums,
+    # split over devices and reduced in another order
     runs = {m: _run(llama, tc, spec, opt, m, 3)[2] for m in ("4x2", "1x1")}
     assert_close(runs["4x2"], runs["1x1"], CACHED_VS_FULL, what="losses on 4x2 vs 1x1")
+    # on 4x2 a device holds half of each MLP matrix and of the vocabulary, and a quarter of a batch
+    mesh = data_model_mesh(4, 2)
+    target = jax.device_put(llama.params, loop.target_shardings(llama.config, mesh))
+    I, V = llama.config.intermediate_size, llama.config.vocab_size
+    assert {s.data.shape[-1] for s in target["layers"]["attention"]["w_gate"].addressable_shards} == {I // 2}
+    assert {s.data.shape[0] for s in target["embed"].addressable_shards} == {V // 2}
+    assert loop.batch_sharding(mesh).shard_shape((8, 48)) == (2, 48)
 
 
 def test_checkpoint_roundtrip_and_resume(llama, tmp_path):

@@ -6,7 +6,7 @@ per-cycle draft (tests/test_psm_train.py). Loss: KL(teacher || PSM) at temperatu
 averaged over positions whose next token is a response token; top-1 agreement is logged.
 
 Batches are [B, T] with B sequences padded to one of a few length buckets (one compiled shape each),
-sharded over the mesh's `data` axis; weights are replicated. Randomness (the simulated pipeline fill)
+sharded over the mesh's `data` axis; the frozen target is split over `model`, the PSM replicated. Randomness (the simulated pipeline fill)
 is keyed by (seed, step), so a resumed run and an uninterrupted one take identical steps, and the
 same global batch gives the same loss on any mesh.
 """
@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from spd_jax.models import decoder
-from spd_jax.sharding import DATA, DP_RULES, logical_spec
+from spd_jax.models import decoder, schema
+from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
 
 log = logging.getLogger(__name__)
@@ -269,23 +270,24 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
     """-> jitted step(state, frozen, target, batch) -> (state, metrics); state = {params, opt, step}.
 
-    Data parallel with `shard_map`: each `data` shard computes its sequences' loss sum and gradient,
-    one all-reduce over `data` sums them (the loss is the mean over the global batch's response
-    positions), and every device applies the same update to its replica. Devices along `model` hold
-    replicas until the weights get tensor-parallel rules.
+    One program over the `data x model` mesh, partitioned by XLA (GSPMD) from the shardings of its
+    inputs under `TRAIN_RULES`: the batch is split over `data`; the frozen target is split over `model`
+    as tensor-parallel decoding splits it (heads, MLP columns, vocabulary), so a device holds 1/M of
+    it; the PSM and its optimizer state are replicated (a few layers: small next to the target). The
+    loss is the mean over the global batch's response positions, so the gradient all-reduce over
+    `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
     above 1 (e.g. 4x2) hangs in the gradient all-reduce (the same program on 8x1 and 1x1, and Llama
     on 4x2, run); tests/test_train_loop.py keeps that case out."""
     grad_fn = jax.value_and_grad(functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau), has_aux=True)
 
-    def local(state, frozen, target, batch):
+    def step(state, frozen, target, batch):
         B = batch["tokens"].shape[0]
-        first = jax.lax.axis_index(DATA) * B
         base = jax.random.fold_in(jax.random.key(tc.seed), state["step"])
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(first + jnp.arange(B))
+        # one key per sequence of the global batch: the loss does not depend on how it is split
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(B))
         (_, sums), grads = grad_fn(state["params"], frozen, target, batch, keys)
-        sums, grads = jax.lax.psum((sums, grads), DATA)
         count = jnp.maximum(sums["positions"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
@@ -294,14 +296,20 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
                        positions=sums["positions"], grad_norm=optax.tree.norm(grads))
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
-    # varying-ness is checked: every replicated output is a psum or computed from psums
-    # batches lead with the "batch" logical axis (split over `data` by the DP rules); the rest is
-    # replicated (the PSM's and target's logical axes map to nothing under these rules)
-    rep_spec, dat_spec = logical_spec((), DP_RULES), logical_spec(("batch",), DP_RULES)
-    smap = jax.shard_map(local, mesh=mesh, in_specs=(rep_spec, rep_spec, rep_spec, dat_spec),
-                         out_specs=(rep_spec, rep_spec))
-    rep, dat = NamedSharding(mesh, rep_spec), NamedSharding(mesh, dat_spec)
-    return jax.jit(smap, in_shardings=(rep, rep, rep, dat), out_shardings=(rep, rep), donate_argnums=(0,))
+    rep = NamedSharding(mesh, P())
+    jitted = jax.jit(step, in_shardings=(rep, rep, target_shardings(cfg, mesh), batch_sharding(mesh)),
+                     out_shardings=(rep, rep), donate_argnums=(0,))
+    return jitted
+
+
+def target_shardings(cfg, mesh) -> dict:
+    """The frozen target's leaf shardings on the training mesh (`model`-split under TRAIN_RULES)."""
+    return tree_shardings(schema.param_axes(cfg), mesh, TRAIN_RULES, schema.axis_units(cfg))
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Batches [B, T]: the "batch" logical axis split over `data`."""
+    return NamedSharding(mesh, logical_spec(("batch",), TRAIN_RULES))
 
 
 def init_state(model, spec: PSMConfig, tc: TrainConfig, opt, vocab_ids=None) -> tuple[dict, dict]:

@@ -127,7 +127,8 @@ def main(argv=None) -> int:
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
         log.info("resumed at step %d (%d positions seen)", start, positions)
     step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
-    target = loop.compute_target(model, tc)
+    # placed once: each device keeps only its `model` shard of the frozen target
+    target = jax.device_put(loop.compute_target(model, tc), loop.target_shardings(model.config, mesh))
     metrics_path = out / "metrics.jsonl"
     _truncate_metrics(metrics_path, start)
 
