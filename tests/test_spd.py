@@ -111,14 +111,16 @@ def _pair_counts(model, runs, **kw):
 SAMPLING_PROMPT = [5, 9, 11]
 
 
-def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch):
-    """Seeded runs of SPD (n=2, random PSM: its draft for the 2nd token is verified by speculative
-    sampling) give the target's exact joint distribution of the first two tokens (chi-square), and the
-    same test rejects a deliberately wrong rule (accept every draft)."""
+@pytest.mark.parametrize("n,draft_vocab", [(2, False), (4, True)])
+def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_path, n, draft_vocab):
+    """Seeded runs of SPD (random PSM: its draft for the 2nd token is verified by speculative sampling,
+    over n vocabulary shards) give the target's exact joint distribution of the first two tokens
+    (chi-square), and the same test rejects a deliberately wrong rule (accept every draft). With a
+    draft vocabulary, q reaches the target's shards from the PSM head's own shards."""
     from spd_jax.decode import spd as engine
 
-    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=2)[0])
-    kw = dict(temperature=1.0, top_k=4, method="spd", n=2, psm_layers=1)
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=4)[0])
+    kw = dict(temperature=1.0, top_k=4, method="spd", n=n, psm_layers=1)
 
     def warped(ids):
         lg = model.logits(np.array([ids]))[0, -1]
@@ -136,10 +138,17 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch):
         outside = sum(counts.values()) - obs.sum()
         return outside, sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
 
+    if draft_vocab:  # the support and every third token: drafts both inside and outside it
+        ids = sorted({t for c in cells for t in c} | set(range(0, model.config.vocab_size, 3)))
+        spec = PSMConfig.for_target(model.config, pipelined.plan_for(model, n).counts, 1, draft_vocab=len(ids))
+        save_psm(tmp_path / "psm", init_psm(model.config, spec, model.params, seed=3, vocab_ids=np.array(ids)), spec)
+        kw = dict(kw, spec=str(tmp_path / "psm"))
     runs = 600
     outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
     print(f"correct rule: p={p_ok:.3g}")
     assert outside == 0 and p_ok > 1e-3
+    if draft_vocab:
+        return  # the wrong rule is the engine's, not the head's: rejected once is enough
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
     monkeypatch.setattr(pipelined, "_compiled", CompileCache())

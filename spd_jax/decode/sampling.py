@@ -49,6 +49,21 @@ class SamplingParams:
                     seed=jnp.uint32(self.seed))
 
 
+def keep_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [..., C] (temperature applied; any set holding every token top-k keeps, -inf padded) ->
+    [..., 1]: the smallest logit that top-k then top-p keep (transformers' order)."""
+    C = logits.shape[-1]
+    asc = jnp.sort(logits, axis=-1)  # [..., C] ascending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, C), C)
+    kth = jnp.take_along_axis(asc, jnp.broadcast_to(C - k, asc.shape[:-1] + (1,)), axis=-1)
+    asc = jnp.where(asc >= kth, asc, -jnp.inf)
+    # Drop the low tail whose total mass is <= 1 - top_p; the most likely token always stays.
+    # (Ascending cumsum, as transformers does, so float rounding picks the same set.)
+    tail_mass = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
+    drop = (tail_mass <= 1.0 - top_p).at[..., -1].set(False)
+    return jnp.min(jnp.where(drop, jnp.inf, asc), axis=-1, keepdims=True)
+
+
 def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                 filtered: bool) -> jax.Array:
     """logits [..., V] -> warped logits [..., V] (float32, -inf outside the kept set).
@@ -58,17 +73,7 @@ def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     logits = logits.astype(jnp.float32) / temperature
     if not filtered:
         return logits
-    V = logits.shape[-1]
-    asc = jnp.sort(logits, axis=-1)  # [..., V] ascending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kth = jnp.take_along_axis(asc, jnp.broadcast_to(V - k, asc.shape[:-1] + (1,)), axis=-1)
-    asc = jnp.where(asc >= kth, asc, -jnp.inf)
-    # Drop the low tail whose total mass is <= 1 - top_p; the most likely token always stays.
-    # (Ascending cumsum, as transformers does, so float rounding picks the same set.)
-    tail_mass = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
-    drop = (tail_mass <= 1.0 - top_p).at[..., -1].set(False)
-    threshold = jnp.min(jnp.where(drop, jnp.inf, asc), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jnp.where(logits >= keep_threshold(logits, top_k, top_p), logits, -jnp.inf)
 
 
 def token_key(seed: jax.Array, position: jax.Array) -> jax.Array:

@@ -4,12 +4,14 @@ whole decode loop (`lax.while_loop`) on device.
 Placement (one device per stage; see SPD.md for the algorithm and notation):
 - stage s holds only its layers' weights and caches and runs them on its in-flight token each cycle;
   hidden states move to stage s+1 with one `ppermute` per cycle;
-- embedding, final norm and LM head are replicated (small next to the layers; stage 0 embeds, the last
-  stage verifies);
-- the PSM and verification run on the last stage (`lax.cond`): the draft distributions q that
-  verification needs stay where they were made, and the only per-cycle collectives are the hidden
-  state permute, one all-reduce that gathers the anchor states of the in-flight tokens, and three
-  scalar all-reduces that make the draft and the accept/replace decision identical on every device;
+- embedding, final norm and LM head are replicated (stage 0 embeds); the heads are computed
+  vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
+  broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary, so no device
+  carries a whole head per cycle;
+- the PSM's layers run on the last stage (`lax.cond`), its head on every stage's shard; greedy choice,
+  sampling draws and the accept/replace decision come out of collectives over `stage` that move
+  scalars (plus each shard's k best logits under a top-k filter), so they are identical everywhere;
+  the draft distributions q that sampling verification needs stay on the shard that made them;
 - the committed sequence and the pipeline bookkeeping are replicated: each in-flight token's position
   follows from the newest position t and its depth (t - d), so nothing else travels.
 
@@ -30,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
-from spd_jax.decode.sampling import choose, token_key, warp_logits
+from spd_jax.decode import vocab
+from spd_jax.decode.sampling import token_key
 from spd_jax.models import decoder
 from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec, vary
 from spd_jax.pipeline.stages import StageLayout, stage_forward
@@ -52,6 +55,7 @@ class EngineConfig:
     drafter: str
     greedy: bool
     filtered: bool
+    top_k: int  # 0 = none; sizes the candidate lists a top-k filter gathers over the vocabulary shards
     prompt_pad: int
     cache_len: int
 
@@ -103,6 +107,29 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     def permute(x):
         return jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
 
+    # ---------------- the heads, one vocabulary shard per stage (decode.vocab): target logits of rows
+    # [start, start + rows) from the final hidden state broadcast by the last stage
+    V = cfg.vocab_size
+    vs = vocab.Shards(V, n)
+    ids_v, own_v = vs.ids(s), vs.own(s)
+    head = decoder.lm_head(shared, cfg)
+
+    def cap(rows):  # candidates per shard for a top-k filter: a power of two >= top_k (few compilations)
+        return rows if not ec.top_k else min(rows, 1 << max(ec.top_k - 1, 0).bit_length())
+
+    def warp(logits, own, rows):
+        return vocab.warp(logits, own, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered, cap(rows), STAGE)
+
+    def target_logits(h):
+        """h [H], the same on every stage -> this stage's shard of the target's logits [rows]."""
+        return jnp.where(own_v, decoder.head_logits(h, shared["final_norm"], head, cfg, vs.start(s), vs.rows),
+                         -jnp.inf)
+
+    def target_choice(logits, pos):
+        if ec.greedy:
+            return vocab.argmax(logits, ids_v, STAGE)
+        return vocab.categorical(token_key(sp["seed"], pos), warp(logits, own_v, vs.rows), ids_v, V, STAGE)
+
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
     emb = decoder.embed(shared, prompt)  # [1, Pp, H]
@@ -119,11 +146,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         return x, cache, anc_prompt + anc
 
     x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round, (x0, cache, vary(jnp.zeros((m, 1, Pp, H), emb.dtype), STAGE)))
-    h_last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)
-    y0 = jax.lax.cond(is_last, lambda h: choose(decoder.lm_logits(shared, h, cfg)[0, 0], prompt_len, sp,
-                                                ec.greedy, ec.filtered),
-                      lambda h: vary(jnp.int32(0), STAGE), h_last)
-    y0 = bcast(y0)
+    h_last = bcast(jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)[0, 0])  # [H], the last stage's
+    y0 = target_choice(target_logits(h_last), prompt_len)
 
     if use_psm:  # the prompt's rows, all of the deepest type, into the PSM cache
         anc_all = jax.lax.psum(anc_prompt, STAGE).at[0].set(emb)  # [m, 1, Pp, H]
@@ -137,7 +161,6 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     positions = jnp.arange(S)
     seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
     seq = seq.at[prompt_len].set(y0)
-    V = cfg.vocab_size
     sampling_psm = use_psm and not ec.greedy
     state = dict(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
                  psm_len=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
@@ -145,44 +168,70 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
                  done=jnp.any(y0 == eos_ids) | (max_new <= 1))
     # per-stage carries: what the stages compute differs between them from the first cycle on
     local = vary(dict(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
-                      qring=jnp.zeros((n, V) if sampling_psm else (1, 1), jnp.float32)), STAGE)
+                      qring=jnp.zeros((n, vs.rows) if sampling_psm else (1, 1), jnp.float32)), STAGE)
     budget_end = prompt_len + max_new  # positions < budget_end may be generated
 
+    if use_psm:  # the PSM's head rows (its draft vocabulary's, or the whole vocabulary's), sharded the same way
+        tok_ids = module.apply(psm_vars, method=PSM.token_ids)  # [V'] token id of each head row
+        qs = vocab.Shards(tok_ids.shape[0], n)
+        rows_q, own_q = qs.ids(s), qs.own(s)
+
     def draft_psm(st, loc):
+        """The draft for t + 1: the PSM body on the last stage, its head and the choice over the stages.
+        -> (draft token, PSM cache, q ring with this stage's shard of q for t + 1 when sampling)."""
         t, pc = st["t"], st["psm_len"]
         rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
-        h = st["table"][rows_pos % W].at[:, 0].set(
-            decoder.embed(shared, st["seq"][jnp.clip(rows_pos, 0, S - 1)][None])[0])
-        logits, pcache = module.apply(psm_vars, vary(h, STAGE), loc["pcache"], pc, t, st["completed"], shared["final_norm"],
-                                      method=PSM.draft_step)
+
+        def body(a):
+            st, pcache = a
+            h = st["table"][rows_pos % W].at[:, 0].set(
+                decoder.embed(shared, st["seq"][jnp.clip(rows_pos, 0, S - 1)][None])[0])
+            return module.apply(psm_vars, vary(h, STAGE), pcache, pc, t, st["completed"], method=PSM.draft_hidden)
+
+        x_d, pcache = jax.lax.cond(is_last, body, lambda a: (vary(jnp.zeros((H,), emb.dtype), STAGE), a[1]),
+                                   (st, loc["pcache"]))
+        logits = jnp.where(own_q, module.apply(psm_vars, bcast(x_d), shared["final_norm"], qs.start(s), qs.rows,
+                                               method=PSM.head_logits), -jnp.inf)  # [rows_q]
         if ec.greedy:
-            return jnp.argmax(logits).astype(jnp.int32), pcache, loc["qring"]
-        warped = warp_logits(logits, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered)
-        d = jax.random.categorical(jax.random.fold_in(token_key(sp["seed"], t + 1), _DRAFT), warped)
-        qring = loc["qring"].at[(t + 1) % n].set(jax.nn.softmax(warped))
-        return d.astype(jnp.int32), pcache, qring
+            return vocab.argmax(logits, tok_ids[rows_q], STAGE), pcache, loc["qring"]
+        warped = warp(logits, own_q, qs.rows)
+        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], t + 1), _DRAFT), warped, tok_ids[rows_q],
+                              V, STAGE)
+        q = vocab.softmax(warped, STAGE)  # over this stage's head rows
+        if ec.psm.draft_vocab:  # head rows -> this stage's target-vocabulary shard (V' values cross, not V)
+            every = jax.lax.all_gather(q, STAGE)  # [n, rows_q]
+            row_of = jnp.stack([qs.ids(r) for r in range(n)])
+            q_rows = jnp.zeros(tok_ids.shape, q.dtype).at[row_of].add(
+                jnp.where(jnp.stack([qs.own(r) for r in range(n)]), every, 0.0))
+            local = tok_ids - vs.start(s)
+            mine = (local >= 0) & (local < vs.rows) & (tok_ids >= s * vs.rows)
+            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, local, vs.rows)].add(q_rows, mode="drop")
+        return d, pcache, loc["qring"].at[(t + 1) % n].set(q)
 
     def verify(st, loc, x_out):
-        """On the last stage: the token at p leaves; its logits decide position p+1."""
+        """Every stage, on its vocabulary shard: the token at p leaves the last stage; its logits decide
+        position p+1 (the same decision on every stage: it comes out of collectives)."""
         p1 = st["t"] - last + 1
         has_next = st["valid"][last - 1] if n > 1 else jnp.bool_(False)
-        logits = decoder.lm_logits(shared, x_out, cfg)[0, 0]
+        logits = target_logits(bcast(x_out[0, 0]))
         drafted = st["seq"][p1]
         if ec.greedy:
-            y = jnp.argmax(logits).astype(jnp.int32)
+            y = vocab.argmax(logits, ids_v, STAGE)
             return has_next & (drafted == y), y
         key = token_key(sp["seed"], p1)
-        warped = warp_logits(logits, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered)
-        p_dist = jax.nn.softmax(warped)
-        q_dist = loc["qring"][p1 % n] if sampling_psm else jax.nn.one_hot(drafted, V)  # oracle: q is a point mass
+        warped = warp(logits, own_v, vs.rows)
+        p_dist = vocab.softmax(warped, STAGE)
+        # oracle drafts: q is a point mass
+        q_dist = loc["qring"][p1 % n] if sampling_psm else (own_v & (ids_v == drafted)).astype(jnp.float32)
         u = jax.random.uniform(jax.random.fold_in(key, _ACCEPT))
-        ok = has_next & (u * q_dist[drafted] < p_dist[drafted])  # accept with prob min(1, p/q)
+        ok = has_next & vocab.accept(vocab.pick(p_dist, ids_v, own_v, drafted, STAGE),
+                                     vocab.pick(q_dist, ids_v, own_v, drafted, STAGE), u)
         if _TEST_ACCEPT_EVERY_DRAFT:
             ok = has_next
-        residual = jnp.maximum(p_dist - q_dist, 0.0)
-        y_res = jax.random.categorical(jax.random.fold_in(key, _RESIDUAL), jnp.log(residual))
-        y_own = jax.random.categorical(key, warped)
-        return ok, jnp.where(has_next, y_res, y_own).astype(jnp.int32)
+        y_res = vocab.categorical(jax.random.fold_in(key, _RESIDUAL), jnp.log(vocab.residual(p_dist, q_dist, STAGE)),
+                                  ids_v, V, STAGE)
+        y_own = vocab.categorical(key, warped, ids_v, V, STAGE)
+        return ok, jnp.where(has_next, y_res, y_own)
 
     def cycle(carry):
         st, loc = carry
@@ -192,9 +241,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         can_draft = (t + 1 < budget_end) & (ec.drafter != "none")
         pcache, qring = loc["pcache"], loc["qring"]
         if use_psm:
-            draft, pcache, qring = jax.lax.cond(is_last, lambda a: draft_psm(*a), lambda a: (
-                vary(jnp.int32(0), STAGE), a[1]["pcache"], a[1]["qring"]), (st, loc))
-            draft = bcast(draft)
+            draft, pcache, qring = draft_psm(st, loc)
         elif ec.drafter == "oracle":
             draft = ref[jnp.minimum(t + 1, S - 1)]
         else:
@@ -220,10 +267,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
         # 4. verify on the last stage; the decision is made identical everywhere
         verified = valid[last]
-        ok, y = jax.lax.cond(is_last & verified, lambda a: vary(verify(*a), STAGE),
-                             lambda a: vary((jnp.bool_(False), jnp.int32(0)), STAGE),
-                             (st, dict(loc, qring=qring), x_out))
-        ok, y = bcast(ok.astype(jnp.int32)) > 0, bcast(y)
+        ok, y = verify(st, dict(loc, qring=qring), x_out)
         p1 = t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
         accept = verified & ok

@@ -170,11 +170,17 @@ class PSM(nn.Module):
                                      decoder.Cache(cache, None), pos, self.cfg, kinds, length=length)
         return x, c.kv
 
-    def head_logits(self, x: jax.Array, final_norm: jax.Array) -> jax.Array:
+    def head_logits(self, x: jax.Array, final_norm: jax.Array, start: jax.Array | int = 0,
+                    rows: int | None = None) -> jax.Array:
         """x [..., H] -> float32 logits [..., V'] over the head's rows (the target's final norm, the
-        PSM's head); V' = V without a draft vocabulary."""
-        x = rms_norm(x, final_norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        return jnp.einsum("...h,vh->...v", x, self.lm_head, preferred_element_type=jnp.float32)
+        PSM's head; V' = V without a draft vocabulary), or over rows [start, start + rows) only."""
+        return decoder.head_logits(x, final_norm, self.lm_head, self.cfg, start, rows)
+
+    def token_ids(self) -> jax.Array:
+        """[V'] int32: the token id of each head row."""
+        if self.spec.draft_vocab:
+            return self.vocab_ids.value
+        return jnp.arange(self.cfg.vocab_size, dtype=jnp.int32)
 
     def expand(self, logits: jax.Array) -> jax.Array:
         """[..., V'] head logits -> [..., V] target-vocabulary logits, -inf off the draft vocabulary."""
@@ -199,10 +205,16 @@ class PSM(nn.Module):
         t: the newest token. Rows before `completed` are completed (deepest type, they join the cached
         chain), rows in [completed, t] are in flight at depth t - position. -> (logits [V] of the draft
         for t + 1, cache with the block written)."""
+        x, cache = self.draft_hidden(h, cache, pc, t, completed)
+        return self.logits(x, final_norm), cache
+
+    def draft_hidden(self, h: jax.Array, cache: KVCache, pc: jax.Array, t: jax.Array, completed: jax.Array):
+        """`draft_step` up to the head: -> (the draft's hidden state [H] before the final norm, cache).
+        The engine applies the head itself, one vocabulary shard per device (`decode.vocab`)."""
         pos = pc + jnp.arange(h.shape[0])
         rows = self.rows(h, row_types(self.spec, t - pos, pos < completed))
         x, cache = self.forward(rows[None], cache, pc)
-        return self.logits(x[0, t - pc], final_norm), cache
+        return x[0, t - pc], cache
 
     def train_logits(self, h: jax.Array, fill: jax.Array, final_norm: jax.Array) -> jax.Array:
         """The training forward: h [B, T, m, H] teacher-forced anchor states, fill [B, T] in 1..n (how
@@ -283,11 +295,6 @@ def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
     return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
 
 
-def target_head(cfg: ModelConfig, target_params: dict) -> jax.Array:
-    """The target's LM head [V, H] (the embedding when tied)."""
-    return target_params["embed"] if cfg.tie_word_embeddings else target_params["lm_head"]
-
-
 def check_vocab_ids(ids, spec: PSMConfig, cfg: ModelConfig) -> jax.Array:
     """A draft vocabulary's token ids [V']: sorted, distinct, inside the target's vocabulary."""
     a = np.asarray(ids)
@@ -306,7 +313,7 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
     layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
     variables = _init_random(cfg, spec, seed)
     params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
-    head = target_head(cfg, target_params)
+    head = decoder.lm_head(target_params, cfg)
     out = {"params": params}
     if spec.draft_vocab:
         if vocab_ids is None:
@@ -424,7 +431,7 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     if spec.draft_vocab:
         check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
     if shared:
-        head = target_head(cfg, target_params)
+        head = decoder.lm_head(target_params, cfg)
         variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
     # token ids stay integers
     return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),

@@ -138,9 +138,22 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def lm_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm + LM head: x [B, T, H] -> logits [B, T, V] float32."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("bth,vh->btv", x, head, preferred_element_type=jnp.float32)
+    return head_logits(x, params["final_norm"], lm_head(params, cfg), cfg)
+
+
+def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
+    """The LM head [V, H] (the embedding when tied)."""
+    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def head_logits(x: jax.Array, norm_w: jax.Array, head: jax.Array, cfg: ModelConfig,
+                start: jax.Array | int = 0, rows: int | None = None) -> jax.Array:
+    """Final norm + the head's rows [start, start + rows) (default all): x [..., H] -> float32
+    logits [..., rows]. A vocabulary shard reads only its rows of the head."""
+    x = rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
+    if rows is not None:
+        head = jax.lax.dynamic_slice_in_dim(head, start, rows, axis=0)
+    return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens: jax.Array, cache: Cache, pos: jax.Array, cfg: ModelConfig):

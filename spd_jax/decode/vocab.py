@@ -1,0 +1,115 @@
+"""Token choice and the speculative acceptance rule over a vocabulary split across devices.
+
+An LM head is as costly as several layers (SmolLM2's 49,152 x 576 head reads as many bytes as 8 of its
+30 layers; Qwen3.5's 248k vocabulary is a third of the 0.8B model), so the SPD engine does not leave it
+on one device: each of the n devices of the `stage` axis computes the logits of one contiguous shard of
+the head's rows, and the argmax, the sampling draw and the accept/replace decision are made by
+collectives over that axis that move scalars only (and, for a top-k/top-p filter, each shard's k best
+logits). No device gathers a vocabulary-sized vector.
+
+The draws are exactly those of the unsharded rules: `jax.random.categorical(key, w)` is
+argmax(w + gumbel(key, [V])), so each shard adds its slice of the same [V] noise and the global argmax
+(first index among equal maxima, as `jnp.argmax`) is the same token. With `axis=None` every function
+is the plain single-device rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spd_jax.decode.sampling import keep_threshold
+
+_NO_ID = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """`size` rows split into n contiguous shards of `rows` each (the last one moved back so it stays in
+    range; rows it shares with the previous shard are not its own and are masked)."""
+
+    size: int
+    n: int
+
+    @property
+    def rows(self) -> int:
+        return -(-self.size // self.n)
+
+    def start(self, s: jax.Array) -> jax.Array:
+        return jnp.minimum(s * self.rows, self.size - self.rows)
+
+    def ids(self, s: jax.Array) -> jax.Array:
+        """[rows] int32: the row index of each of shard s's rows."""
+        return self.start(s) + jnp.arange(self.rows, dtype=jnp.int32)
+
+    def own(self, s: jax.Array) -> jax.Array:
+        """[rows] bool: the rows shard s answers for (each row belongs to exactly one shard)."""
+        return self.ids(s) >= s * self.rows
+
+
+def _psum(x, axis):
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _pmax(x, axis):
+    return x if axis is None else jax.lax.pmax(x, axis)
+
+
+def _pmin(x, axis):
+    return x if axis is None else jax.lax.pmin(x, axis)
+
+
+def argmax(logits: jax.Array, ids: jax.Array, axis: str | None) -> jax.Array:
+    """logits [rows] (-inf off the shard's own rows), ids [rows] -> the id of the global maximum,
+    the smallest id among equal maxima (int32, the same on every device)."""
+    top = _pmax(jnp.max(logits), axis)
+    return _pmin(jnp.min(jnp.where(logits == top, ids, _NO_ID)), axis).astype(jnp.int32)
+
+
+def softmax(logits: jax.Array, axis: str | None) -> jax.Array:
+    """[rows] shard of the logits -> the same shard of softmax over all rows (float32)."""
+    logits = logits.astype(jnp.float32)
+    e = jnp.exp(logits - _pmax(jnp.max(logits), axis))
+    return e / _psum(jnp.sum(e), axis)
+
+
+def pick(values: jax.Array, ids: jax.Array, own: jax.Array, token: jax.Array, axis: str | None) -> jax.Array:
+    """The value at row `token` from whichever shard owns it (float32, the same on every device)."""
+    return _psum(jnp.sum(jnp.where(own & (ids == token), values, 0.0)), axis)
+
+
+def categorical(key: jax.Array, logits: jax.Array, token_ids: jax.Array, vocab_size: int,
+                axis: str | None) -> jax.Array:
+    """A draw from softmax(logits) over all shards: exactly `jax.random.categorical(key, full)` where
+    full [vocab_size] holds each shard's logits at its rows' token ids (-inf elsewhere)."""
+    noise = jax.random.gumbel(key, (vocab_size,), jnp.float32)[token_ids]
+    return argmax(logits.astype(jnp.float32) + noise, token_ids, axis)
+
+
+def warp(logits: jax.Array, own: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+         filtered: bool, cap: int, axis: str | None) -> jax.Array:
+    """Temperature, then top-k, then top-p, as `sampling.warp_logits`, on a shard [rows] -> the warped
+    shard (float32, -inf outside the kept set and off the shard's own rows). The filter's threshold
+    comes from each shard's `cap` best logits gathered over the axis: exact when cap >= top_k (top-k
+    keeps only tokens among them, top-p only ever drops more); cap = rows (top-p without top-k) is the
+    one case that gathers the whole vocabulary."""
+    logits = jnp.where(own, logits.astype(jnp.float32) / temperature, -jnp.inf)
+    if not filtered:
+        return logits
+    best = jax.lax.top_k(logits, cap)[0]
+    cands = best if axis is None else jax.lax.all_gather(best, axis).reshape(-1)
+    return jnp.where(logits >= keep_threshold(cands, top_k, top_p)[0], logits, -jnp.inf)
+
+
+def residual(p: jax.Array, q: jax.Array, axis: str | None) -> jax.Array:
+    """The distribution a rejected draft is replaced from, unnormalised: max(p - q, 0), or p itself
+    where p <= q everywhere (q == p up to rounding: any token is then a correct draw)."""
+    r = jnp.maximum(p - q, 0.0)
+    return jnp.where(_psum(jnp.sum(r), axis) > 0, r, p)
+
+
+def accept(p_draft: jax.Array, q_draft: jax.Array, u: jax.Array) -> jax.Array:
+    """Speculative sampling's test for a draft d ~ q: accept with probability min(1, p(d) / q(d))."""
+    return u * q_draft < p_draft
