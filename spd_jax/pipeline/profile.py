@@ -1,6 +1,8 @@
 """Time the parts of one SPD cycle on the current backend, each as its own small jitted program:
-every stage's layers on one token, the PSM draft, verification (final norm + LM head + choice), and
-the per-cycle collectives of the engine (hidden-state permute, anchor all-reduce, decision all-reduces).
+every stage's layers on one token, the PSM's layers (on the last stage), the PSM's head and the
+verification head on one vocabulary shard (final norm + 1/n of the LM head + choice; every stage runs
+one of each), and the per-cycle collectives of the engine (hidden-state permute, anchor all-reduce,
+hidden-state broadcasts, the scalar reductions of the vocabulary-parallel choices).
 
 Each figure is the median wall time of a call, including its host dispatch; the engine itself runs
 all of them inside one on-device loop, so `cycle_ms - (slowest stage + PSM + verify + comm)` measured
@@ -57,18 +59,25 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     h = jnp.zeros((n + 1, psm_cfg.m, cfg.hidden_size), model.dtype)
 
     @jax.jit
-    def psm_draft(v, c, h):  # a full pipeline: n tokens in flight, the block starts at the oldest
-        logits, _ = module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, model.params["final_norm"],
-                                 method=PSM.draft_step)
-        return jnp.argmax(logits)
+    def psm_body(v, c, h):  # a full pipeline: n tokens in flight, the block starts at the oldest
+        return module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, method=PSM.draft_hidden)[0]
 
-    psm_ms = _median_ms(psm_draft, psm_vars, pcache, h, iters=iters)
+    psm_ms = _median_ms(psm_body, psm_vars, pcache, h, iters=iters)
+    # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows
+    rows = -(-cfg.vocab_size // n)
+
+    @jax.jit
+    def psm_head(v, x):
+        return jnp.argmax(module.apply(v, x, model.params["final_norm"], 0, rows, method=PSM.head_logits))
+
+    psm_head_ms = _median_ms(psm_head, psm_vars, x[0, 0], iters=iters)
 
     @jax.jit
     def verify(params, x):
-        return jnp.argmax(decoder.lm_logits(params, x, cfg)[0, 0])
+        head = decoder.lm_head(params, cfg)
+        return jnp.argmax(decoder.head_logits(x, params["final_norm"], head, cfg, 0, rows))
 
-    verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x, iters=iters)
+    verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
     mesh = stage_mesh(n)
     W, m, H, reps = n + 2, psm_cfg.m, cfg.hidden_size, 20
@@ -79,7 +88,10 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
             x, table = c
             x = jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
             table = vary(jax.lax.psum(table, STAGE), STAGE)  # the carry stays per-stage
-            d = jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE) + jax.lax.psum(jnp.int32(1), STAGE)
+            # the broadcasts of the verified token's and the PSM's hidden states ([H] each), and the two
+            # greedy argmaxes over the vocabulary shards (a max and a min each)
+            hx = jax.lax.psum(x, STAGE) + jax.lax.psum(x, STAGE)
+            d = sum(jax.lax.pmin(jax.lax.pmax(jnp.max(hx), STAGE).astype(jnp.int32), STAGE) for _ in range(2))
             return x + d.astype(x.dtype), table
         return jax.lax.fori_loop(0, reps, body, (x, table))
 
@@ -89,7 +101,8 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     tables = jax.device_put(jnp.zeros((n * W, m, H), model.dtype), st)
     comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
-    return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, verify_ms=verify_ms,
+    return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
+                verify_ms=verify_ms,
                 comm_ms=comm_ms, context=context, n=n, stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
                          "amortised over an on-device loop")
