@@ -9,9 +9,20 @@ Measures, in one run:
                   and all-reduces, and the final device-to-host copy; prefill measured by a 1-token run
   pipeline_cycle_ms  the same for the plain pipeline (no PSM)
   ratio           spd_cycle_ms / ar_step_ms
-and the cycle profile (spd_jax.pipeline.profile): each stage, the PSM draft, verification, collectives.
-On a CPU host the n "devices" share its cores, so stages run one after another: the ideal cycle costs
-about one AR step (all layers) plus the PSM and the collectives.
+and the cycle profile (spd_jax.pipeline.profile): each stage, the PSM body, one vocabulary shard of
+the PSM head and of verification, the collectives. Per device, the busy time per cycle as the engine
+places the work (its stage and one shard of each head; the last stage also the PSM body): measured
+(each part timed on its own), and predicted by the cost model (spd_jax.pipeline.costs) fitted to this
+CPU, for the current stage plan and for the device-aware plan (an opt-in: pass its counts to
+`infer.generate --stages`; the shipped PSM is tied to the default plan); with max/mean imbalance.
+On a CPU host the n "devices" share its cores: were they to run one after another, a cycle would cost
+the SUM of every device's busy time plus the collectives (about one AR step plus the PSM).
+`rest_of_cycle_ms` is the cycle minus that sum: negative when the devices' work overlaps (more than one
+core) or the parts' per-call dispatch, timed in the profile, is not paid inside the engine's loop. Last, projections of the wall-clock speedup of spd, tp and pipeline over ar (communication
+included) on three profiles: this CPU as fitted (as if each stage had its own such device), an
+H200-with-NVLink-like and a TPU-v5e-ICI-like one, with the heads whole on the last stage (the engine
+before vocabulary-parallel heads) and sharded (now), at --alpha-S0 (default 1.5; "measured": this run's,
+a random PSM's). Projections are not measurements; each states what it assumes.
 """
 
 from __future__ import annotations
@@ -28,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--psm-layers", type=int, default=2)
+    ap.add_argument("--alpha-S0", default="1.5",
+                    help="S0 = alpha * L / max(stage layers) for the projections, or 'measured' (this run's)")
+    ap.add_argument("--project-context", type=int, default=1024,
+                    help="context length (tokens) of the H200 / TPU projections")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -62,7 +77,8 @@ def main(argv=None) -> int:
         spd.append(cycle("spd")[0])
         pipe.append(cycle("pipeline")[0])
     _, spd_stats = cycle("spd")
-    prof = profile_cycle(model, plan_for(model, args.n), psm_layers=args.psm_layers, context=len(ids) + N // 2)
+    plan = plan_for(model, args.n)  # the engine's default, what spd ran above
+    prof = profile_cycle(model, plan, psm_layers=args.psm_layers, context=len(ids) + N // 2)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
                pipeline_cycle_ms=statistics.median(pipe), spd_alpha_random_psm=spd_stats["alpha"],
@@ -70,8 +86,12 @@ def main(argv=None) -> int:
     res["ratio_spd_cycle_to_ar_step"] = res["spd_cycle_ms"] / res["ar_step_ms"]
     res["ratio_pipeline_cycle_to_ar_step"] = res["pipeline_cycle_ms"] / res["ar_step_ms"]
     res["sum_of_stage_ms"] = sum(prof["stage_ms"])
-    res["unexplained_ms"] = res["spd_cycle_ms"] - (res["sum_of_stage_ms"] + prof["psm_ms"] + prof["verify_ms"]
-                                                   + prof["comm_ms"])
+    S0 = spd_stats["S0"] if args.alpha_S0 == "measured" else float(args.alpha_S0)
+    res |= device_report(model, plan, prof, args.psm_layers, S0, args.project_context)
+    res["rest_of_cycle_ms"] = res["spd_cycle_ms"] - (sum(res["busy"]["measured_ms"]) + prof["comm_ms"])
+    res["rest_of_cycle_includes"] = ("SPD cycle - (sum over the n devices of their busy time + collectives): ~0 if "
+                                     "the devices sharing this host's cores ran one after another; negative when "
+                                     "their work overlaps or the parts' per-call dispatch is not paid in the engine")
     if args.json:
         print(json.dumps(res))
         return 0
@@ -82,11 +102,98 @@ def main(argv=None) -> int:
     print("profile (one call each, incl. dispatch):")
     print("  stages           " + " ".join(f"{t:.2f}" for t in prof["stage_ms"]) + f"  (sum {res['sum_of_stage_ms']:.2f},"
           f" slowest {prof['slowest_stage_ms']:.2f})")
-    print(f"  PSM draft        {prof['psm_ms']:7.2f} ms")
-    print(f"  verify           {prof['verify_ms']:7.2f} ms")
+    print(f"  PSM body         {prof['psm_ms']:7.2f} ms")
+    print(f"  PSM head shard   {prof['psm_head_ms']:7.2f} ms (1/{args.n} of the head; every device runs one)")
+    print(f"  verify shard     {prof['verify_ms']:7.2f} ms (1/{args.n} of the head; every device runs one)")
     print(f"  collectives      {prof['comm_ms']:7.2f} ms per cycle")
-    print(f"  rest of a cycle  {res['unexplained_ms']:7.2f} ms (cycle - sum of stages - PSM - verify - collectives)")
+    print(f"  rest of a cycle  {res['rest_of_cycle_ms']:7.2f} ms (SPD cycle - (sum of every device's busy time below "
+          "+ collectives); < 0: the devices' work overlaps or the parts' dispatch is not paid in the engine)")
+    print_device_report(res)
     return 0
+
+
+def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_context: int) -> dict:
+    """Per-device busy times per cycle (measured; predicted by the cost model fitted here, for the current
+    and the device-aware plan) and the three profiles' projections, as one JSON-able dict."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from spd_jax.drafters.psm import PSMConfig
+    from spd_jax.pipeline import costs
+
+    cfg, n = model.config, plan.n
+    psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)  # what profile_cycle timed
+    # the engine's placement: every device its stage and one shard of each head; the last the PSM body
+    measured = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"]]
+    measured[-1] += prof["psm_ms"]
+    cpu_bytes = jnp.dtype(model.dtype).itemsize
+    cpu = costs.fit_cpu(prof, cfg, psm_cfg, param_bytes=cpu_bytes)
+    ctx = prof["context"]
+
+    def plans(hw, context, param_bytes, heads):
+        busy = costs.device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
+        aware, aware_busy = costs.device_aware_plan(cfg, n, psm_cfg, hw, context, param_bytes, heads)
+        return dict(current=dict(stage_layers=list(plan.counts), busy_ms=[1e3 * b for b in busy],
+                                 imbalance=costs.imbalance(busy)),
+                    device_aware=dict(stage_layers=list(aware.counts), busy_ms=[1e3 * b for b in aware_busy],
+                                      imbalance=costs.imbalance(aware_busy))), aware
+
+    predicted, _ = plans(cpu, ctx, cpu_bytes, "sharded")
+    # validation on this host: each measured part against the fitted model (in-sample: the fit used them),
+    # and two figures it did not use: the AR step, and the SPD cycle as the SUM of the parts (serial here)
+    cc = costs.cycle_costs(cfg, plan, psm_cfg, ctx, cpu_bytes)
+    fit_parts = dict(stage_ms=[1e3 * cpu.part_s(st) for st in cc.stages], psm_ms=1e3 * cpu.part_s(cc.psm_body),
+                     psm_head_ms=1e3 * cpu.part_s([cc.psm_head_shard]), verify_ms=1e3 * cpu.part_s([cc.head_shard]),
+                     comm_ms=1e3 * costs.comm_s(cc, cpu))
+    cpu_pred = costs.predict(cfg, n, psm_cfg, cpu, ctx, S0, plan, cpu_bytes)
+    validation = dict(parts_predicted=fit_parts, ar_step_ms_predicted=1e3 * cpu_pred["ar_step_s"],
+                      spd_cycle_serial_ms_predicted=1e3 * (sum(cpu_pred["device_busy_s"]) + cpu_pred["spd_comm_s"]))
+    projections = []
+    for hw, context, pb in ((cpu, ctx, cpu_bytes), (costs.H200_NVLINK, project_context, 2),
+                            (costs.TPU_V5E_ICI, project_context, 2)):
+        rows = {}
+        for heads in ("last", "sharded"):
+            _, aware = plans(hw, context, pb, heads)
+            now = costs.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, heads=heads)
+            # the same acceptance rate (alpha) on the other plan
+            alt = costs.predict(cfg, n, psm_cfg, hw, context, S0, aware, pb, alpha=now["alpha"], heads=heads)
+            rows[f"heads_{heads}"] = dict(current=now, device_aware=alt)
+        projections.append(dict(hardware=dataclasses.asdict(hw), **rows,
+                                label="fitted here; projection for n such devices in parallel" if not hw.projection
+                                else "projection: " + hw.assumes))
+    return dict(busy=dict(measured_ms=measured, measured_imbalance=costs.imbalance(measured),
+                          includes="per device per cycle, the engine's placement: its stage's layers (profile "
+                                   "stage_ms) + one shard of the verification and PSM heads; the last stage also "
+                                   "the PSM body; collectives excluded (all devices take part)"),
+                cost_model=dict(cpu_fit=dataclasses.asdict(cpu), context=ctx, param_bytes=cpu_bytes,
+                                heads="sharded", predicted=predicted, validation=validation),
+                S0_projected=S0, projections=projections)
+
+
+def print_device_report(res: dict) -> None:
+    ms = lambda xs: " ".join(f"{x:6.2f}" for x in xs)  # noqa: E731
+    b, cm = res["busy"], res["cost_model"]
+    print("busy per device per cycle (ms; stage + a shard of each head, the PSM body on the last; collectives apart):")
+    print(f"  measured            {ms(b['measured_ms'])}   max/mean {b['measured_imbalance']:.2f}")
+    for key in ("current", "device_aware"):
+        p = cm["predicted"][key]
+        print(f"  model, {key:12s} {ms(p['busy_ms'])}   max/mean {p['imbalance']:.2f}  stages {p['stage_layers']}")
+    print(f"  CPU fit: {cm['cpu_fit']['assumes']}")
+    v, fp = cm["validation"], cm["validation"]["parts_predicted"]
+    print(f"  fitted parts: stages {ms(fp['stage_ms'])}  PSM body {fp['psm_ms']:.2f}  PSM head shard "
+          f"{fp['psm_head_ms']:.2f}  verify shard {fp['verify_ms']:.2f}  collectives {fp['comm_ms']:.2f}")
+    print(f"  not fitted: AR step predicted {v['ar_step_ms_predicted']:.2f} ms (measured {res['ar_step_ms']:.2f}); SPD "
+          f"cycle as the sum of its parts {v['spd_cycle_serial_ms_predicted']:.2f} ms (measured {res['spd_cycle_ms']:.2f})")
+    print(f"  device-aware plan (opt-in): --stages {','.join(map(str, cm['predicted']['device_aware']['stage_layers']))}")
+    print(f"projections at S0 {res['S0_projected']:.2f} (wall-clock speedup over ar, communication included):")
+    for pr in res["projections"]:
+        print(f"  {pr['hardware']['name']}: {pr['label']}")
+        for heads in ("last", "sharded"):
+            for tag, r in pr[f"heads_{heads}"].items():
+                print(f"    heads {heads:7s} {tag:12s} {str(r['stage_layers']):26s} spd {r['speedup_spd']:5.2f}  tp "
+                      f"{r['speedup_tp']:5.2f}  pipeline {r['speedup_pipeline']:5.2f}  (ar {1e6 * r['ar_step_s']:.0f} "
+                      f"us, cycle {1e6 * r['spd_cycle_s']:.0f} us, max/mean {r['imbalance']:.2f})")
 
 
 if __name__ == "__main__":

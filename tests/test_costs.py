@@ -1,11 +1,20 @@
-"""The per-layer cost model counts exactly the weights the model holds, and orders layer kinds sensibly."""
+"""The cost models: per layer / head / embedding / PSM counts equal the weights the model holds, layer
+kinds order sensibly; the per-cycle model (`spd_jax.pipeline.costs`) behaves as its formulas say, its
+CPU fit recovers a known machine, and the balancer with fixed per-stage work is the brute-force optimum."""
 
+import dataclasses
+import itertools
+
+import jax
 import numpy as np
 import pytest
 
 import spd_jax
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models.costs import head_cost, layer_costs
+from spd_jax.drafters.psm import PSMConfig, init_psm
+from spd_jax.models.costs import embed_cost, head_cost, layer_costs, psm_costs
+from spd_jax.pipeline import costs as cyc
+from spd_jax.pipeline.partition import StagePlan, balanced
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5"])
@@ -32,3 +41,129 @@ def test_qwen3_5_4b_costs():
     # ~4B parameters in all (embeddings tied)
     total = sum(c.params for c in short) + head_cost(cfg).params
     assert 3.5e9 < total < 5e9
+
+
+# memory-bound, free links and launches: times are bytes / bandwidth alone
+_PLAIN = cyc.Hardware("plain", 1e18, 1e11, 0.0, 1e18, 0.0, "test", True)
+
+
+def _brute_force_max_cost(costs, extra) -> float:
+    """The smallest max(stage layers + extra[s]) over every contiguous split into len(extra) stages."""
+    L, n = len(costs), len(extra)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, L), n - 1):
+        b = (0, *cuts, L)
+        best = min(best, max(sum(costs[b[s]:b[s + 1]]) + extra[s] for s in range(n)))
+    return best
+
+
+def test_balanced_with_extra_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for L, n in [(5, 2), (7, 3), (9, 4), (10, 3), (8, 8)]:
+        for _ in range(4):
+            costs = rng.uniform(0.1, 2.0, L).tolist()
+            extra = (rng.uniform(0, 3.0, n) * rng.integers(0, 2, n)).tolist()  # some stages with no fixed work
+            plan = balanced(costs, n, extra)
+            b = plan.bounds
+            got = max(sum(costs[a:z]) + e for (a, z), e in zip(b, extra))
+            assert plan.num_layers == L and plan.n == n
+            assert np.isclose(got, _brute_force_max_cost(costs, extra), rtol=1e-12), (costs, extra, plan)
+        # no fixed work: the plan without `extra`
+        assert balanced(costs, n, [0.0] * n) == balanced(costs, n)
+    with pytest.raises(ValueError, match="one fixed cost per stage"):
+        balanced([1.0] * 6, 3, [0.0, 1.0])
+
+
+def _psm_cfg(cfg, plan, **kw):
+    return PSMConfig.for_target(cfg, plan.counts, num_layers=2, **kw)
+
+
+def test_device_busy_and_predict_sanity():
+    cfg = ModelConfig.named("qwen3.5-0.8b")
+    n = 4
+    plan = cyc.default_plan(cfg, n)
+    psm = _psm_cfg(cfg, plan)
+    busy = cyc.device_busy(cfg, plan, psm, _PLAIN, context=256)
+    assert len(busy) == n and busy[-1] == max(busy)  # the PSM body sits on the last stage
+    faster = cyc.device_busy(cfg, plan, psm, dataclasses.replace(_PLAIN, mem_bytes_per_s=2e11), context=256)
+    assert all(f < b for f, b in zip(faster, busy))
+    # whole heads on the last stage: the same work in all, the last device much busier
+    last = cyc.device_busy(cfg, plan, psm, _PLAIN, context=256, heads="last")
+    assert sum(last) == pytest.approx(sum(busy), rel=1e-3) and last[-1] > busy[-1] and last[0] < busy[0]
+    assert cyc.imbalance(last) > cyc.imbalance(busy) >= 1
+    # a draft vocabulary shrinks the device(s) that run the PSM's head only
+    small_psm = _psm_cfg(cfg, plan, draft_vocab=1000)
+    small = cyc.device_busy(cfg, plan, small_psm, _PLAIN, context=256, heads="last")
+    assert small[:-1] == last[:-1] and small[-1] < last[-1]
+    assert all(a < b for a, b in zip(cyc.device_busy(cfg, plan, small_psm, _PLAIN, context=256), busy))
+
+    r = cyc.predict(cfg, n, psm, _PLAIN, context=256, S0=1.5)
+    assert r["alpha"] == pytest.approx(1.5 * plan.max_layers / cfg.num_layers)
+    assert r["speedup_spd"] == pytest.approx(r["alpha"] * r["ar_step_s"] / r["spd_cycle_s"])
+    assert r["speedup_tp"] == pytest.approx(n)  # free links, no launches: exactly n-way
+    assert r["spd_comm_s"] < 1e-12 and r["spd_cycle_s"] == pytest.approx(max(busy))
+    # one token at a time through the same work; with sharded heads its head is split n ways
+    assert cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="last")["speedup_pipeline"] == pytest.approx(1.0)
+    assert r["speedup_pipeline"] > 1.0
+    slow_links = dataclasses.replace(_PLAIN, link_latency_s=1e-3, launch_s=1e-5)
+    r2 = cyc.predict(cfg, n, psm, slow_links, context=256, S0=1.5)
+    assert r2["speedup_tp"] < r["speedup_tp"] and r2["spd_cycle_s"] > r["spd_cycle_s"]
+    # a ppermute, the anchor table, two hidden-state broadcasts, four scalars (argmax max/min x 2 heads)
+    assert r2["spd_comm_s"] == pytest.approx(8e-3)
+    assert cyc.predict(cfg, n, psm, slow_links, 256, 1.5, heads="last")["spd_comm_s"] == pytest.approx(5e-3)
+    assert "communication included" in r2["includes"]
+    with pytest.raises(ValueError, match="heads must be one of"):
+        cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="spread")
+    for hw in (cyc.H200_NVLINK, cyc.TPU_V5E_ICI):
+        p = cyc.predict(cfg, 8, PSMConfig.for_target(cfg, cyc.default_plan(cfg, 8).counts), hw, 1024, S0=1.5)
+        assert p["projection"] and "projection" in p["assumes"] and 0 < p["speedup_spd"] < 8
+
+
+def test_device_aware_plan_counts_the_fixed_work():
+    cfg = ModelConfig.named("qwen3-0.6b")
+    n = 4
+    plan = cyc.default_plan(cfg, n)
+    psm = _psm_cfg(cfg, plan)
+    for heads in cyc.HEADS:
+        aware, busy = cyc.device_aware_plan(cfg, n, psm, cyc.H200_NVLINK, context=512, heads=heads)
+        before = cyc.device_busy(cfg, plan, psm, cyc.H200_NVLINK, context=512, heads=heads)
+        assert aware.counts[-1] < aware.counts[0] and max(busy) < max(before)
+        assert cyc.imbalance(busy) < cyc.imbalance(before)
+        assert busy == cyc.device_busy(cfg, aware, psm, cyc.H200_NVLINK, context=512, heads=heads)
+
+
+def test_fit_cpu_recovers_a_known_machine():
+    cfg = ModelConfig.named("qwen3.5-0.8b")
+    plan = StagePlan((7, 6, 6, 5))
+    psm = _psm_cfg(cfg, plan)
+    true = cyc.Hardware("true", 1e18, 23e9, 40e-6, 23e9, 120e-6, "synthetic", False)
+    cc = cyc.cycle_costs(cfg, plan, psm, 300, param_bytes=4)
+    prof = dict(stage_ms=[1e3 * true.part_s(s) for s in cc.stages], verify_ms=1e3 * true.part_s([cc.head_shard]),
+                psm_ms=1e3 * true.part_s(cc.psm_body), psm_head_ms=1e3 * true.part_s([cc.psm_head_shard]),
+                comm_ms=1e3 * cyc.comm_s(cc, true), context=300, stage_layers=list(plan.counts))
+    hw = cyc.fit_cpu(prof, cfg, psm, param_bytes=4)
+    assert hw.mem_bytes_per_s == pytest.approx(23e9, rel=1e-6)
+    assert hw.launch_s == pytest.approx(120e-6, rel=1e-6)
+    assert hw.link_latency_s == pytest.approx(40e-6, rel=1e-6)
+    assert not hw.projection
+    # the fitted profile reproduces the measured parts
+    busy = cyc.device_busy(cfg, plan, psm, hw, 300, param_bytes=4)
+    assert busy[1] == pytest.approx((prof["stage_ms"][1] + prof["verify_ms"] + prof["psm_head_ms"]) / 1e3)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_psm_and_embedding_params_match_the_loaded_weights(tiny_ckpt, tie):
+    m = spd_jax.load_model(tiny_ckpt("qwen3", tie)[0])
+    cfg = m.config
+    total = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(m.params))
+    counted = sum(c.params for c in layer_costs(cfg, 10)) + head_cost(cfg).params + embed_cost(cfg).params
+    assert counted == total
+    plan = StagePlan((2, 2))
+    for draft_vocab in (0, 40):
+        spec = _psm_cfg(cfg, plan, draft_vocab=draft_vocab)
+        ids = np.arange(draft_vocab) * 3 if draft_vocab else None
+        # shapes only (no init compiled): the PSM's weights as `init_psm` builds them, head included
+        v = jax.eval_shape(lambda p, spec=spec, ids=ids: init_psm(cfg, spec, p, vocab_ids=ids), m.params)
+        held = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(v["params"]))
+        costs = psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, rows=3, context_len=10)
+        assert sum(c.params for c in costs) == held, draft_vocab

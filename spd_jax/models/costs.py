@@ -1,4 +1,5 @@
-"""Per-layer cost of decoding one token, for the stage partitioner and for roofline estimates.
+"""Per-layer cost of decoding one token, for the stage partitioner and for roofline estimates; also the
+embedding, the LM head and the PSM's draft (the parts `spd_jax.pipeline.costs` times per SPD cycle).
 
 A decode step is dominated by reading weights and caches (memory bound) on most hardware; prefill
 and training by FLOPs. Both are counted per layer so a partitioner can balance stages whose layers
@@ -39,29 +40,68 @@ def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
                if len(leaf.shape) == 2 and leaf.transform is not schema.CONV)
 
 
+def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 2, cache_bytes: int = 2,
+              rows: int = 1) -> LayerCost:
+    """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights
+    and the cache are read once for the block (what a decode step or the PSM's per-cycle block does);
+    FLOPs scale with the rows. Parameter counts and projection FLOPs come from the weight schema; the
+    mixers' context terms are added here."""
+    leaves = schema.layer_schema(cfg, kind)
+    params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves)
+    if kind == ATTENTION:
+        # scores and weighted values over the context, per query head
+        flops += 2 * 2 * cfg.num_heads * cfg.head_dim * context_len
+        state = 2 * cfg.kv_size * context_len * cache_bytes
+    else:
+        lc = cfg.linear
+        state_elems = lc.num_v_heads * lc.k_dim * lc.v_dim
+        # decay, S^T k, rank-1 update, S^T q: ~4 passes over the state, plus the conv
+        flops += 2 * lc.conv_kernel * lc.conv_dim + 8 * state_elems
+        state = 2 * state_elems * 4 + 2 * (lc.conv_kernel - 1) * lc.conv_dim * cache_bytes  # f32 state r+w
+    return LayerCost(kind, params, rows * flops, params * param_bytes, state)
+
+
 def layer_costs(cfg: ModelConfig, context_len: int, param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
-    """Cost of each layer (model order) for one token decoded at position `context_len`. Parameter
-    counts and projection FLOPs come from the weight schema; the mixers' context terms are added here."""
-    per_kind = {}
-    for kind in schema.layer_kinds(cfg):
-        leaves = schema.layer_schema(cfg, kind)
-        params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves)
-        if kind == ATTENTION:
-            # scores and weighted values over the context, per query head
-            flops += 2 * 2 * cfg.num_heads * cfg.head_dim * context_len
-            state = 2 * cfg.kv_size * context_len * cache_bytes
-        else:
-            lc = cfg.linear
-            state_elems = lc.num_v_heads * lc.k_dim * lc.v_dim
-            # decay, S^T k, rank-1 update, S^T q: ~4 passes over the state, plus the conv
-            flops += 2 * lc.conv_kernel * lc.conv_dim + 8 * state_elems
-            state = 2 * state_elems * 4 + 2 * (lc.conv_kernel - 1) * lc.conv_dim * cache_bytes  # f32 state r+w
-        per_kind[kind] = LayerCost(kind, params, flops, params * param_bytes, state)
+    """Cost of each layer (model order) for one token decoded at position `context_len`."""
+    per_kind = {kind: kind_cost(cfg, kind, context_len, param_bytes, cache_bytes) for kind in schema.layer_kinds(cfg)}
     return [per_kind[kind] for kind in cfg.layer_types]
 
 
-def head_cost(cfg: ModelConfig, param_bytes: int = 2) -> LayerCost:
-    """Final norm + LM head for one token."""
+def head_cost(cfg: ModelConfig, param_bytes: int = 2, vocab_rows: int | None = None) -> LayerCost:
+    """Final norm + LM head for one token; `vocab_rows` (default V) rows of the head, e.g. a PSM's draft
+    vocabulary V'. Its params are the head's [vocab_rows, H] and the final norm's [H]."""
     g = schema.global_schema(cfg)
-    p = int(np.prod(g["embed"].shape)) + int(np.prod(g["final_norm"].shape))
-    return LayerCost("lm_head", p, 2 * cfg.vocab_size * cfg.hidden_size, p * param_bytes, 0)
+    V = cfg.vocab_size if vocab_rows is None else int(vocab_rows)
+    p = V * g["embed"].shape[1] + int(np.prod(g["final_norm"].shape))
+    return LayerCost("lm_head", p, 2 * V * cfg.hidden_size, p * param_bytes, 0)
+
+
+def embed_cost(cfg: ModelConfig, param_bytes: int = 2) -> LayerCost:
+    """The embedding lookup of one token: one row of the table read. Its params are the table's, except
+    with tied embeddings, where the table is the LM head's and `head_cost` counts it."""
+    H = cfg.hidden_size
+    params = 0 if cfg.tie_word_embeddings else int(np.prod(schema.global_schema(cfg)["embed"].shape))
+    return LayerCost("embed", params, 0, H * param_bytes, 0)
+
+
+def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: int, rows: int, context_len: int,
+              param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
+    """One draft of the Pipeline Speculation Module (`spd_jax.drafters.psm`, its fields passed plain so
+    the models stay free of the drafter): [projections, Ls layers, head].
+
+    - projections: the m aggregation types W_a [(a+1) H, H], each applied to every one of the `rows`
+      anchor rows [rows, m, H] (the PSM projects every type, then selects by row type);
+    - Ls full-attention layers of the target's kind over the `rows`-row block (n + 1 rows per cycle with
+      a full pipeline), weights and its own KV cache (about `context_len` completed rows) read once;
+    - the head on the newest row only: V' = `draft_vocab` rows (0: the target's V), and the target's
+      final norm, which is shared, so read but not counted in the PSM's params.
+    The rows' embedding gathers (rows x H) are left out: negligible next to the rest."""
+    H, m = cfg.hidden_size, num_anchors
+    proj_params = H * H * m * (m + 1) // 2  # sum over a of (a + 1) H x H
+    proj = LayerCost("psm_proj", proj_params, 2 * rows * proj_params, proj_params * param_bytes,
+                     rows * m * H * cache_bytes)
+    layer = kind_cost(cfg, ATTENTION, context_len, param_bytes, cache_bytes, rows)
+    layers = [dataclasses.replace(layer, kind="psm_layer")] * num_layers
+    head = head_cost(cfg, param_bytes, draft_vocab or cfg.vocab_size)
+    head = dataclasses.replace(head, kind="psm_head", params=head.params - H)  # the norm is the target's
+    return [proj, *layers, head]

@@ -1,7 +1,8 @@
 """Split L decoder layers into n contiguous pipeline stages.
 
 Three ways: uniform (n divides L), an explicit list of per-stage layer counts, or cost-balanced
-(minimise the slowest stage given per-layer costs, e.g. `spd_jax.models.costs.layer_costs`).
+(minimise the slowest stage given per-layer costs, e.g. `spd_jax.models.costs.layer_costs`, and
+optionally each stage's fixed work besides its layers).
 """
 
 from __future__ import annotations
@@ -71,11 +72,18 @@ def explicit(num_layers: int, counts: Sequence[int]) -> StagePlan:
     return StagePlan(counts)
 
 
-def balanced(costs: Sequence[float], n: int) -> StagePlan:
+def balanced(costs: Sequence[float], n: int, extra: Sequence[float] | None = None) -> StagePlan:
     """Contiguous split of layers with the given costs into n stages minimising the largest stage cost
-    (ties broken toward equal layer counts). Exact dynamic programme, O(n L^2)."""
+    (ties broken toward equal layer counts). Exact dynamic programme, O(n L^2).
+
+    extra [n]: fixed work of each stage besides its layers, in the costs' units (a device's embedding,
+    head or PSM: `spd_jax.pipeline.costs.device_aware_plan`); the largest of (its layers + extra[s]) is
+    minimised then. None: no fixed work."""
     L = len(costs)
     _check_n(L, n)
+    extra = [0.0] * n if extra is None else [float(e) for e in extra]
+    if len(extra) != n:
+        raise ValueError(f"extra needs one fixed cost per stage ({n}), got {len(extra)}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -90,7 +98,7 @@ def balanced(costs: Sequence[float], n: int) -> StagePlan:
                 prev = best[k - 1][j]
                 if prev == inf:
                     continue
-                cand = (max(prev[0], prefix[i] - prefix[j]), max(prev[1], i - j))
+                cand = (max(prev[0], prefix[i] - prefix[j] + extra[k - 1]), max(prev[1], i - j))
                 if cand < best[k][i]:
                     best[k][i], cut[k][i] = cand, j
     counts, i = [], L
