@@ -78,7 +78,9 @@ def tree_shardings(axes_tree: Any, mesh: Mesh, rules: Rules, units: Mapping[str,
 def _varying(x) -> frozenset:
     # JAX 0.10 keeps the set of manual axes a value varies over on its aval's manual_axis_type
     # (empty outside shard_map)
-    return jax.typeof(x).manual_axis_type.varying
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else aval.vma  # .vma: the name before JAX 0.10
 
 
 def vary(tree: Any, axis: str) -> Any:
@@ -86,13 +88,6 @@ def vary(tree: Any, axis: str) -> Any:
     already are). Branches of `lax.cond`/`switch` and loop carries must agree on this type, so a
     replicated value meeting a per-device one there is cast first."""
     return jax.tree.map(lambda x: x if axis in _varying(x) else jax.lax.pcast(x, axis, to="varying"), tree)
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x made varying over every manual axis `like` varies over: a scan carry that starts from a
-    replicated value (a zero state) and is updated from per-device data. A no-op outside shard_map."""
-    missing = tuple(sorted(_varying(like) - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # ---------------------------------------------------------------- meshes

@@ -24,7 +24,7 @@ def _sharded(fn, n):
         out = fn(jax.lax.axis_index(STAGE), shards)
         return jax.tree.map(lambda x: x[None], out)
 
-    smap = jax.shard_map(body, mesh=stage_mesh(n), in_specs=P(STAGE), out_specs=P(STAGE), check_vma=False)
+    smap = jax.shard_map(body, mesh=stage_mesh(n), in_specs=P(STAGE), out_specs=P(STAGE))
     return jax.tree.map(lambda x: np.asarray(x)[0], jax.jit(smap)(jnp.zeros((n,))))
 
 

@@ -6,9 +6,9 @@ per-cycle draft (tests/test_psm_train.py). Loss: KL(teacher || PSM) at temperatu
 averaged over positions whose next token is a response token; top-1 agreement is logged.
 
 Batches are [B, T] with B sequences padded to one of a few length buckets (one compiled shape each),
-sharded over the mesh's `data` axis; the frozen target is split over `model`, the PSM replicated. Randomness (the simulated pipeline fill)
-is keyed by (seed, step), so a resumed run and an uninterrupted one take identical steps, and the
-same global batch gives the same loss on any mesh.
+sharded over the mesh's `data` axis; the frozen target is split over `model`, the PSM replicated.
+Randomness (the simulated pipeline fill) is keyed by (seed, step), so a resumed run and an
+uninterrupted one take identical steps, and the same global batch gives the same loss on any mesh.
 """
 
 from __future__ import annotations
@@ -278,8 +278,9 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
     `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
-    above 1 (e.g. 4x2) hangs in the gradient all-reduce (the same program on 8x1 and 1x1, and Llama
-    on 4x2, run); tests/test_train_loop.py keeps that case out."""
+    above 1 (e.g. 4x2) stalls in XLA:CPU's collectives (re-checked with this GSPMD step; the same
+    program on 8x1 and 1x1, and Llama on 4x2, run); tests/test_train_loop.py keeps that case out.
+    The PSM's head (in `frozen`) is replicated: its logits are computed whole on every `model` device."""
     grad_fn = jax.value_and_grad(functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau), has_aux=True)
 
     def step(state, frozen, target, batch):
@@ -297,9 +298,8 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
     rep = NamedSharding(mesh, P())
-    jitted = jax.jit(step, in_shardings=(rep, rep, target_shardings(cfg, mesh), batch_sharding(mesh)),
-                     out_shardings=(rep, rep), donate_argnums=(0,))
-    return jitted
+    return jax.jit(step, in_shardings=(rep, rep, target_shardings(cfg, mesh), batch_sharding(mesh)),
+                   out_shardings=(rep, rep), donate_argnums=(0,))
 
 
 def target_shardings(cfg, mesh) -> dict:

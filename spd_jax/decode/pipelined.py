@@ -133,8 +133,9 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
             *jax.device_put((jnp.asarray(prompt_arr), jnp.int32(P_), jnp.int32(max_new_tokens), jnp.asarray(eos),
                              sp.runtime(), jnp.asarray(ref)), rep))
 
-    top_k = (sp.top_k or 0) if sp.filtered and not sp.greedy else 0
-    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, top_k, p_pad, cache_len)
+    # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
+    top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
+    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
     events = cache_events()
     exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))

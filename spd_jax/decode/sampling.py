@@ -1,7 +1,8 @@
 """Sampling rules, separate from the network: validation, logit warping and token choice.
 
 Temperature, top-k and top-p are runtime values (no recompilation when they change); only whether
-decoding is greedy and whether a top-k/top-p filter is active are compile-time switches. The random
+decoding is greedy and whether a top-k/top-p filter is active are compile-time switches (and, in the
+SPD engine, top-k's power of two: how many candidates each vocabulary shard contributes). The random
 key of a token is derived from (seed, position), never from loop state, so every drafter and every
 device that must agree on a draw gets the same key for the same position.
 """

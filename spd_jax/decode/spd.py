@@ -6,8 +6,8 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   hidden states move to stage s+1 with one `ppermute` per cycle;
 - embedding, final norm and LM head are replicated (stage 0 embeds); the heads are computed
   vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
-  broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary, so no device
-  carries a whole head per cycle;
+  broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary (the head
+  weights stay replicated; each stage reads its rows);
 - the PSM's layers run on the last stage (`lax.cond`), its head on every stage's shard; greedy choice,
   sampling draws and the accept/replace decision come out of collectives over `stage` that move
   scalars (plus each shard's k best logits under a top-k filter), so they are identical everywhere;
@@ -55,7 +55,7 @@ class EngineConfig:
     drafter: str
     greedy: bool
     filtered: bool
-    top_k: int  # 0 = none; sizes the candidate lists a top-k filter gathers over the vocabulary shards
+    top_k_cap: int  # 0 = no top-k; else a power of two >= top_k: the candidates a top-k filter gathers per shard
     prompt_pad: int
     cache_len: int
 
@@ -114,8 +114,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     ids_v, own_v = vs.ids(s), vs.own(s)
     head = decoder.lm_head(shared, cfg)
 
-    def cap(rows):  # candidates per shard for a top-k filter: a power of two >= top_k (few compilations)
-        return rows if not ec.top_k else min(rows, 1 << max(ec.top_k - 1, 0).bit_length())
+    def cap(rows):  # candidates per shard for a filter: without top-k, top-p may keep any of them
+        return min(rows, ec.top_k_cap) if ec.top_k_cap else rows
 
     def warp(logits, own, rows):
         return vocab.warp(logits, own, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered, cap(rows), STAGE)
@@ -203,9 +203,9 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             row_of = jnp.stack([qs.ids(r) for r in range(n)])
             q_rows = jnp.zeros(tok_ids.shape, q.dtype).at[row_of].add(
                 jnp.where(jnp.stack([qs.own(r) for r in range(n)]), every, 0.0))
-            local = tok_ids - vs.start(s)
-            mine = (local >= 0) & (local < vs.rows) & (tok_ids >= s * vs.rows)
-            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, local, vs.rows)].add(q_rows, mode="drop")
+            at = tok_ids - vs.start(s)  # position in this stage's target-vocabulary shard
+            mine = (at >= 0) & (at < vs.rows) & (tok_ids >= s * vs.rows)
+            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
         return d, pcache, loc["qring"].at[(t + 1) % n].set(q)
 
     def verify(st, loc, x_out):
@@ -228,10 +228,12 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
                                      vocab.pick(q_dist, ids_v, own_v, drafted, STAGE), u)
         if _TEST_ACCEPT_EVERY_DRAFT:
             ok = has_next
-        y_res = vocab.categorical(jax.random.fold_in(key, _RESIDUAL), jnp.log(vocab.residual(p_dist, q_dist, STAGE)),
-                                  ids_v, V, STAGE)
-        y_own = vocab.categorical(key, warped, ids_v, V, STAGE)
-        return ok, jnp.where(has_next, y_res, y_own)
+        # one draw (each costs Gumbel noise over the whole vocabulary): from the residual when a draft
+        # was rejected, else the target's own sample, with the key each uses (has_next is replicated)
+        res_key = jax.random.fold_in(key, _RESIDUAL)
+        draw_key = jax.random.wrap_key_data(jnp.where(has_next, jax.random.key_data(res_key), jax.random.key_data(key)))
+        dist = jnp.where(has_next, jnp.log(vocab.residual(p_dist, q_dist, STAGE)), warped)
+        return ok, vocab.categorical(draw_key, dist, ids_v, V, STAGE)
 
     def cycle(carry):
         st, loc = carry
@@ -267,7 +269,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
         # 4. verify on the last stage; the decision is made identical everywhere
         verified = valid[last]
-        ok, y = verify(st, dict(loc, qring=qring), x_out)
+        # skipped while the pipeline refills (`verified` is replicated, so every stage takes the same
+        # branch and the collectives inside stay matched)
+        ok, y = jax.lax.cond(verified, lambda a: verify(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
+                             (st, dict(loc, qring=qring), x_out))
         p1 = t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
         accept = verified & ok

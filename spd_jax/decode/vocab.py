@@ -4,8 +4,9 @@ An LM head is as costly as several layers (SmolLM2's 49,152 x 576 head reads as 
 30 layers; Qwen3.5's 248k vocabulary is a third of the 0.8B model), so the SPD engine does not leave it
 on one device: each of the n devices of the `stage` axis computes the logits of one contiguous shard of
 the head's rows, and the argmax, the sampling draw and the accept/replace decision are made by
-collectives over that axis that move scalars only (and, for a top-k/top-p filter, each shard's k best
-logits). No device gathers a vocabulary-sized vector.
+collectives over that axis that move scalars only (and, for a top-k filter, each shard's k best
+logits; top-p without top-k is the one case that gathers the vocabulary's logits). The one
+vocabulary-sized cost left per draw is the Gumbel noise each device generates (below).
 
 The draws are exactly those of the unsharded rules: `jax.random.categorical(key, w)` is
 argmax(w + gumbel(key, [V])), so each shard adds its slice of the same [V] noise and the global argmax

@@ -14,7 +14,8 @@ outside it (sampling stays lossless: verification only ever sees a q with zeros)
 the training loss over V' cost V'/V of the full ones.
 
 This module is the one home of the PSM's feature code: anchor gathering (`anchor_states`), staircase
-typing (`row_types`), rows, the engine's per-cycle draft (`PSM.draft_step`) and the training forward
+typing (`row_types`), rows, the engine's per-cycle draft (`PSM.draft_hidden`, then the head on
+vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
 (`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
 inference (tests/test_psm_train.py checks it). Checkpoints are orbax + a JSON sidecar naming the target,
 pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.

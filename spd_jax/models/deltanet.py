@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from spd_jax.config import ModelConfig
-from spd_jax.sharding import vary_like
 
 CHUNK = 64
 
@@ -172,7 +171,7 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
 
     use_chunked = (T > 1) if chunked is None else chunked
     rule = delta_rule_chunked if use_chunked else delta_rule_recurrent
-    o, s_new = rule(q, k, v, g, beta, vary_like(s_prev.astype(jnp.float32), q))  # o [B, T, Hv, Dv]
+    o, s_new = rule(q, k, v, g, beta, s_prev.astype(jnp.float32))  # o [B, T, Hv, Dv]
 
     # Gated RMSNorm per value head: plain weight, gated by silu(z), normalised in float32.
     z = (x @ lp["w_z"]).reshape(B, T, lc.num_v_heads, lc.v_dim)
