@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
-from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, sample_fill
+from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, psm_axes, sample_fill
 
 log = logging.getLogger(__name__)
 
@@ -273,14 +273,16 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
     One program over the `data x model` mesh, partitioned by XLA (GSPMD) from the shardings of its
     inputs under `TRAIN_RULES`: the batch is split over `data`; the frozen target is split over `model`
     as tensor-parallel decoding splits it (heads, MLP columns, vocabulary), so a device holds 1/M of
-    it; the PSM and its optimizer state are replicated (a few layers: small next to the target). The
-    loss is the mean over the global batch's response positions, so the gradient all-reduce over
-    `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
+    it; the PSM's trained weights and optimizer state are replicated (a few layers: small next to the
+    target). The loss is the mean over the global batch's response positions, so the gradient
+    all-reduce over `data` and the matmul all-reduces over `model` are XLA's, and every device applies
+    the same update.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
     above 1 (e.g. 4x2) stalls in XLA:CPU's collectives (re-checked with this GSPMD step; the same
     program on 8x1 and 1x1, and Llama on 4x2, run); tests/test_train_loop.py keeps that case out.
-    The PSM's head (in `frozen`) is replicated: its logits are computed whole on every `model` device."""
+    The PSM's frozen head follows the same rules (a full-vocabulary head split over `model` like the
+    target's; a draft vocabulary's rows replicated)."""
     grad_fn = jax.value_and_grad(functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau), has_aux=True)
 
     def step(state, frozen, target, batch):
@@ -298,7 +300,8 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
     rep = NamedSharding(mesh, P())
-    return jax.jit(step, in_shardings=(rep, rep, target_shardings(cfg, mesh), batch_sharding(mesh)),
+    frozen = tree_shardings(split_params(psm_axes(cfg, spec))[1], mesh, TRAIN_RULES, schema.axis_units(cfg))
+    return jax.jit(step, in_shardings=(rep, frozen, target_shardings(cfg, mesh), batch_sharding(mesh)),
                    out_shardings=(rep, rep), donate_argnums=(0,))
 
 
