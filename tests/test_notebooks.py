@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# CI runs these in their own step after the README's test command (`.ci/run`); `-m notebook` selects them
+pytestmark = pytest.mark.notebook
+
 nbformat = pytest.importorskip("nbformat", reason="the `test` extra is not installed")
 nbclient = pytest.importorskip("nbclient", reason="the `test` extra is not installed")
 

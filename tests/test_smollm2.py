@@ -10,10 +10,8 @@ from tolerances import VS_TRANSFORMERS, assert_close, bound
 
 pytestmark = pytest.mark.real_model
 
-CHAT = ["What is the capital of France? Answer in one sentence.",
-        "Give me three tips for staying focused while studying."]
-CODE = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-        "# Python: check whether a string is a palindrome\ndef is_palindrome(s):"]
+CHAT = ["What is the capital of France? Answer in one sentence."]
+CODE = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
 
 
 @pytest.fixture(scope="module")

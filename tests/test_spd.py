@@ -48,10 +48,11 @@ _SPLITS = [(1, None), (2, None), (4, None), (8, None), (3, [1, 4, 3]), (4, [3, 1
 @pytest.mark.parametrize("method,n,stage_layers", [("spd", *c) for c in _SPLITS]
                          + [("pipeline", 2, None), ("pipeline", 8, None), ("pipeline", 4, [3, 1, 1, 3])])
 def test_greedy_equals_autoregressive(deep, reference, n, stage_layers, method):
-    if deep.config.model_type == "qwen3_5" and method == "spd" and n < 3:
-        # n = 1 and 2 exercise nothing kind-specific (llama runs them); Qwen3.5's mixed stages are
-        # covered at n = 3 (uneven), 4 (even and uneven) and 8. Keeps the suite inside its time budget.
-        pytest.skip("covered by llama at n < 3")
+    if deep.config.linear is not None and method == "spd" and (n, stage_layers) not in ((3, [1, 4, 3]), (4, None)):
+        # n = 1, 2 and 8 and the second uneven split exercise nothing kind-specific (llama runs them);
+        # Qwen3.5's mixed stages (LLLA LLLA) are covered at n = 3 (uneven: stages of both kinds and of one
+        # kind) and n = 4 (every stage mixed). Keeps the suite inside its time budget.
+        pytest.skip("covered by llama")
     _check_lossless(deep, reference, n, stage_layers, method)
 
 
@@ -152,7 +153,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
     monkeypatch.setattr(pipelined, "_compiled", CompileCache())
-    outside, p_bad = pvalue(_pair_counts(model, runs, **kw))
+    outside, p_bad = pvalue(_pair_counts(model, runs // 2, **kw))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
 

@@ -73,9 +73,11 @@ def _run(model, tc, spec, opt, mesh_str, steps, state=None, frozen=None, start=0
     return state, frozen, losses
 
 
-def test_loss_decreases(deep):
-    tc, spec, opt = _setup(deep)
-    _, _, losses = _run(deep, tc, spec, opt, "8x1", 20)
+def test_loss_decreases(llama):
+    # the step's mechanics do not depend on the target's kind; Qwen3.5's training forward is checked
+    # against the engine's draft in tests/test_psm_train.py
+    tc, spec, opt = _setup(llama)
+    _, _, losses = _run(llama, tc, spec, opt, "8x1", 20)
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
