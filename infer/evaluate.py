@@ -142,13 +142,14 @@ def plot(table: list[dict], out: Path) -> None:
 
 
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
-             spec=None, seed: int = 0, progress: bool = True) -> list[dict]:
+             spec=None, seed: int = 0, progress: bool = True, write: bool = True) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
-    finishes. -> all rows."""
+    finishes (write=False: compute the same rows, write nothing: the other processes of a job). -> all rows."""
+    import contextlib
+
     import spd_jax
     from tqdm import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
     done = {row_key(r) for r in rows}
@@ -160,7 +161,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                                             **same)) not in done]
     rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())]  # only this setup's rows
     L = model.config.num_layers
-    with path.open("a") as f:
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+    with (path.open("a") if write else contextlib.nullcontext()) as f:
         for bench, i, p, method, n, temp in tqdm(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
@@ -175,8 +178,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                        tokens_per_s=s["tokens_per_s"], compile_s=s["compile_s"], compile_from=s["compile_from"], psm=s.get("psm"),
                        token_ids=res.token_ids, timing_includes=s["timing_includes"], backend=s["backend"])
             row["S0"] = row["alpha"] * row["depth_ratio"]
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+            if f is not None:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
             rows.append(row)
     return rows
 
@@ -206,6 +210,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/eval")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
+    from spd_jax import distributed
+
+    distributed.add_arguments(ap)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     for t in args.temperature:
         if t not in SAMPLING:
@@ -213,9 +221,16 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.methods) - set(spd_jax_methods()))
     if unknown:
         ap.error(f"unknown methods {unknown}: available {', '.join(spd_jax_methods())}")
-    from spd_jax.sharding import request_cpu_devices
-
-    request_cpu_devices(max(args.n))
+    if distributed.launching(args):
+        return distributed.launch(args.processes, "infer.evaluate", distributed.worker_argv(argv), args.local_devices)
+    try:
+        # every process of a multi-process job runs every row (each method is SPMD over the job's devices;
+        # `ar` runs in each process on its own device); process 0 alone writes and prints
+        cluster = distributed.setup(args, max(args.n))
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    leader = cluster is None or distributed.is_leader()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import spd_jax
 
@@ -227,10 +242,12 @@ def main(argv=None) -> int:
         out = Path(args.out)
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
-                        args.seed)
+                        args.seed, progress=leader, write=leader)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not leader:
+        return 0
     table = pooled(rows)
     setup = dict(model=model.path.name, max_new_tokens=args.max_new_tokens, limit=args.limit,
                  backend=rows[0]["backend"] if rows else "?")

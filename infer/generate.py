@@ -13,6 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
+from spd_jax import distributed
+
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not use the persistent compilation cache ($SPD_JAX_CACHE/xla, default ~/.cache/spd_jax/xla)")
+    distributed.add_arguments(ap)
     return ap
 
 
@@ -117,23 +120,38 @@ class _TextStream:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.mode != "ar":
-        # On a CPU-only host the n stages are n host devices; this must precede JAX's initialisation.
-        from spd_jax.sharding import request_cpu_devices
-
-        request_cpu_devices(args.n)
+    if args.processes is not None and args.mode == "ar":
+        print("error: --mode ar runs on one device in one process; --processes is for tp, pipeline and spd",
+              file=sys.stderr)
+        return 2
+    if distributed.launching(args):
+        return distributed.launch(args.processes, "infer.generate", distributed.worker_argv(argv), args.local_devices)
+    try:
+        # On a CPU-only host the n stages are n host devices (split over the processes of a multi-process
+        # job); this must precede JAX's initialisation.
+        cluster = distributed.setup(args, args.n if args.mode != "ar" else 1)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import spd_jax  # after argument parsing: --help stays instant
 
     if not args.no_compile_cache:
         spd_jax.enable_persistent_cache()
+    # in a multi-process job every process computes the same result; process 0 alone prints it
+    leader = cluster is None or distributed.is_leader()
 
     try:
         if args.mode == "tp":  # every device reads only its own shard of each weight
             from spd_jax.sharding import TP_RULES, model_mesh
 
             model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=model_mesh(args.n), rules=TP_RULES)
+        elif cluster is not None:  # each process reads only its own stages' layers
+            from spd_jax.sharding import STAGE_RULES, stage_mesh
+
+            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=stage_mesh(args.n), rules=STAGE_RULES)
         else:
             model = spd_jax.load_model(args.model, dtype=args.dtype)
         if args.prompt_ids is not None:
@@ -144,14 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         # no --spec: the API takes the PSM shipped for this model and n, else a random one (with a notice)
         spec = "random" if args.random_psm else args.spec
         for text, ids in jobs:
-            stream = None if args.json or args.mode not in ("ar", "tp") else _TextStream(model)
-            if not args.json:
+            stream = None if args.json or args.mode not in ("ar", "tp") or cluster else _TextStream(model)
+            if leader and not args.json:
                 print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
                                    stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
                                    n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers)
             out_text = model.decode(res.token_ids)
+            if not leader:
+                continue
             if args.json:
                 print(json.dumps(dict(prompt=text, prompt_ids=list(map(int, ids)), token_ids=res.token_ids,
                                       text=out_text, stats=res.stats)), flush=True)

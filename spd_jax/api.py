@@ -26,7 +26,7 @@ from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_sou
 from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.models import decoder, schema
-from spd_jax.sharding import STAGE, TP_RULES, Placement, Rules, model_mesh
+from spd_jax.sharding import STAGE, TP_RULES, Placement, Rules, model_mesh, put
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def tp_runtime(model: Model, n: int):
         shardings = placement.shardings(schema.param_axes(cfg))
         same = all(getattr(a, "sharding", None) == b for a, b in zip(jax.tree.leaves(model.params),
                                                                      jax.tree.leaves(shardings)))
-        params = model.params if same else jax.device_put(model.params, shardings)
+        params = model.params if same else put(model.params, shardings)
         model.runtime[key] = (params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement)
     return model.runtime[key]
 
@@ -289,9 +289,12 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         compile_s=c1 + c2, compile_from=compile_from,
         stopped_at_eos=bool(count and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(), devices=placement.mesh.size if placement else 1,
+        processes=jax.process_count() if placement else 1,
         timing_includes=("device compute, host dispatch and the device-to-host copy of the result"
                          + (", and the all-reduces after every attention-out and MLP-down projection and "
                             "across the vocabulary shards" if placement else "")
+                         + (f" (across {jax.process_count()} processes)" if placement and jax.process_count() > 1
+                            else "")
                          + (", plus one host callback per token for streaming" if stream else "")
                          + "; excludes compilation (compile_s, ahead of time, cached per shape bucket). "
                            "decode_tokens_per_s counts tokens after the first over the decode loop alone"),

@@ -90,6 +90,24 @@ def vary(tree: Any, axis: str) -> Any:
     return jax.tree.map(lambda x: x if axis in _varying(x) else jax.lax.pcast(x, axis, to="varying"), tree)
 
 
+def put(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put` that also works when the shardings span several processes: there a value held
+    by this process's devices alone (e.g. loaded on its default device) cannot move to another
+    process's devices, so it goes through host memory, each process giving the same value and
+    keeping only its own devices' shards. shardings: one sharding for every leaf, or a matching tree."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, s):
+        if isinstance(x, jax.Array) and x.is_fully_addressable and not s.is_fully_addressable:
+            x = np.asarray(x)
+        return jax.device_put(x, s)
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+
 # ---------------------------------------------------------------- meshes
 
 
@@ -167,4 +185,4 @@ class Placement:
         return jax.lax.with_sharding_constraint(tree, self.shardings(axes_tree))
 
     def put(self, tree: Any, axes_tree: Any):
-        return jax.device_put(tree, self.shardings(axes_tree))
+        return put(tree, self.shardings(axes_tree))

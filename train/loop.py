@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -126,7 +127,7 @@ def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         off = np.cumsum([0] + [len(i) for i, _ in out])
-        tmp = path.with_suffix(".tmp.npz")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")  # processes of one job write side by side
         np.savez(tmp, ids=np.concatenate([i for i, _ in out]), mask=np.concatenate([m for _, m in out]),
                  offsets=off)
         tmp.replace(path)

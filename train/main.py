@@ -32,6 +32,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="run directory (default runs/<config name>)")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    from spd_jax import distributed
+
+    distributed.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -51,7 +54,12 @@ def load_config(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    from spd_jax import distributed
+
+    if distributed.launching(args):
+        return distributed.launch(args.processes, "train.main", distributed.worker_argv(argv), args.local_devices)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
     raw = load_config(args)
@@ -59,8 +67,15 @@ def main(argv=None) -> int:
     from spd_jax.sharding import parse_mesh, request_cpu_devices
 
     data, model_par = parse_mesh(args.mesh)
-    # The quick eval runs the SPD engine: n stage devices besides the training mesh's.
-    request_cpu_devices(max(data * model_par, int(raw.get("n", 8))))
+    cluster = distributed.cluster_from(args)
+    if cluster is None:
+        # The quick eval runs the SPD engine: n stage devices besides the training mesh's.
+        request_cpu_devices(max(data * model_par, int(raw.get("n", 8))))
+    else:  # the training mesh spans every process's devices (the quick eval runs when n of them exist)
+        distributed.initialize(cluster, distributed.local_device_count(cluster, data * model_par))
+    leader = cluster is None or distributed.is_leader()
+    if not leader:  # every process trains; process 0 alone reports and writes the run's files
+        logging.getLogger().setLevel(logging.WARNING)
 
     import jax
     import jax.numpy as jnp
@@ -68,8 +83,10 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     import spd_jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
     from spd_jax.decode import pipelined
-    from spd_jax.sharding import data_model_mesh
+    from spd_jax.sharding import data_model_mesh, put
     from spd_jax.drafters.psm import PSMConfig, save_psm
     from train import loop
 
@@ -84,6 +101,10 @@ def main(argv=None) -> int:
     spec = PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors, tc.draft_vocab)
     identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
+    if cluster is not None and jax.device_count() != data * model_par:
+        raise SystemExit(f"error: --mesh {args.mesh} needs {data * model_par} devices; the job has {jax.device_count()} "
+                         f"({jax.process_count()} process(es)); on a CPU host --processes P gives each process "
+                         "devices / P of them")
     if ckpts.latest() is not None and not args.resume:
         raise SystemExit(f"error: {out} already holds a run (step {ckpts.latest()}); pass --resume to continue it "
                          "or --out for a new one")
@@ -97,11 +118,13 @@ def main(argv=None) -> int:
         was["identity"]["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["identity"]["spec"]))))
         if was["identity"] != identity:
             raise SystemExit(f"error: --resume: {out} was trained for {was['identity']}, not {identity}")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(["python -m train.main", *(argv if argv is not None else sys.argv[1:])])
-    run = json.loads((out / "run.json").read_text()) if args.resume else {}
-    run.update(identity=identity, config=raw, mesh=args.mesh, commands=run.get("commands", []) + [cmd])
-    (out / "run.json").write_text(json.dumps(run, indent=1))
+    if leader:
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = " ".join(["python -m train.main", *argv])
+        run = json.loads((out / "run.json").read_text()) if args.resume else {}
+        run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count(),
+                   commands=run.get("commands", []) + [cmd])
+        (out / "run.json").write_text(json.dumps(run, indent=1))
     log.info("PSM for %s: n=%d, stages %s, anchors %s, staircase %s, Ls=%d; mesh %dx%d on %s",
              model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
              data, model_par, jax.default_backend())
@@ -127,17 +150,24 @@ def main(argv=None) -> int:
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
         log.info("resumed at step %d (%d positions seen)", start, positions)
     step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
-    # placed once: each device keeps only its `model` shard of the frozen target
-    target = jax.device_put(loop.compute_target(model, tc), loop.target_shardings(model.config, mesh))
+    # placed once: each device keeps only its `model` shard of the frozen target; the PSM replicated
+    target = put(loop.compute_target(model, tc), loop.target_shardings(model.config, mesh))
+    rep = NamedSharding(mesh, PartitionSpec())
+    state, frozen = put(state, rep), put(frozen, rep)
     metrics_path = out / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
+    if leader:
+        _truncate_metrics(metrics_path, start)
 
     eval_prompts = loop.eval_prompts(heldout, tc)
+    if jax.device_count() < spec.n:
+        log.info("quick eval off: it runs the SPD engine on n=%d stage devices, the job has %d", spec.n,
+                 jax.device_count())
+        eval_prompts = []
     t_start = time.perf_counter()
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="train", unit="step")
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="train", unit="step", disable=not leader)
     for step in bar:
         for micro in range(tc.grad_accum):
-            batch = batches.get(step * tc.grad_accum + micro)
+            batch = put(batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
             state, met = step_fn(state, frozen, target, batch)
         met = {k: float(v) for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
@@ -147,7 +177,7 @@ def main(argv=None) -> int:
                                                                                                   "grad_norm")})
         if done % tc.eval_every == 0 or done == tc.steps:
             row |= loop.quick_eval(model, spec, _variables(state, frozen), eval_prompts, tc)
-        if done % tc.log_every == 0 or "S0" in row or done == tc.steps:
+        if leader and (done % tc.log_every == 0 or "S0" in row or done == tc.steps):
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         bar.set_postfix(loss=f"{met['loss']:.3f}", agree=f"{met['agreement']:.3f}",
@@ -158,14 +188,16 @@ def main(argv=None) -> int:
     variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
                              _variables(state, frozen))
     final = out / "psm"
-    if final.exists():
+    if leader and final.exists():
         import shutil
         shutil.rmtree(final)
+    distributed.barrier("psm export")  # no process looks for the directory before it is gone
     save_psm(final, {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}, spec,
              extra=dict(head="shared", trained=dict(steps=tc.steps, positions=positions,
                                                     wall_s=round(wall0 + time.perf_counter() - t_start, 1),
                                                     mesh=args.mesh, backend=jax.default_backend(), config=raw)))
-    loop.plot_curves(metrics_path, out / "curves.png")
+    if leader:
+        loop.plot_curves(metrics_path, out / "curves.png")
     log.info("trained PSM written to %s (use: python -m infer.generate --n %d --spec %s)", final, spec.n, final)
     return 0
 

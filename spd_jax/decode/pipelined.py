@@ -22,7 +22,8 @@ from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
 from spd_jax.models import schema
-from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, stage_mesh
+from spd_jax.distributed import to_host
+from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
 from spd_jax.drafters.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
 
@@ -101,23 +102,23 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
                                     stages.stage_weight_axes(cfg, layout))
         else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
             stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
-        model.runtime[key] = (stage_w, jax.device_put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
-                              jax.device_put({k: v for k, v in model.params.items() if k != "layers"}, rep))
+        model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
+                              put({k: v for k, v in model.params.items() if k != "layers"}, rep))
     stage_w, prog, shared = model.runtime[key]
-    caches = jax.device_put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
+    caches = put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
     if psm_cfg:
         pc = init_kv_cache(cfg, psm_cfg.num_layers, 1, cache_len, model.dtype)
-        psm_cache = jax.device_put(jax.tree.map(lambda t: jnp.broadcast_to(t, (plan.n, *t.shape)), pc), st)
+        psm_cache = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (plan.n, *t.shape)), pc), st)
     else:
-        psm_cache = jax.device_put(jnp.zeros((plan.n, 1), model.dtype), st)
+        psm_cache = put(jnp.zeros((plan.n, 1), model.dtype), st)
     if psm_label != "given":
         # replicated once per (PSM, mesh), not on every call
         pkey = ("psm_on_mesh", psm_label, psm_cfg, tuple(d.id for d in mesh.devices.flat))
         if pkey not in model.runtime:
-            model.runtime[pkey] = jax.device_put(psm_vars, rep)
+            model.runtime[pkey] = put(psm_vars, rep)
         psm_vars = model.runtime[pkey]
     else:
-        psm_vars = jax.device_put(psm_vars, rep)
+        psm_vars = put(psm_vars, rep)
 
     prompt_arr = np.zeros((1, p_pad), np.int32)
     prompt_arr[0, :P_] = prompt
@@ -130,8 +131,8 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         toks = np.asarray(oracle_tokens, np.int32)[: cache_len - P_]
         ref[P_:P_ + toks.size] = toks
     args = (stage_w, prog, shared, psm_vars, caches, psm_cache,
-            *jax.device_put((jnp.asarray(prompt_arr), jnp.int32(P_), jnp.int32(max_new_tokens), jnp.asarray(eos),
-                             sp.runtime(), jnp.asarray(ref)), rep))
+            *put((jnp.asarray(prompt_arr), jnp.int32(P_), jnp.int32(max_new_tokens), jnp.asarray(eos),
+                  sp.runtime(), jnp.asarray(ref)), rep))
 
     # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
@@ -145,7 +146,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     seq, n_commit, cycles, accepted, rejected, seq_all, _, _ = exe(*args)
     n_commit = int(n_commit)
     wall = time.perf_counter() - t0
-    seq_all = np.asarray(seq_all)
+    seq_all = to_host(seq_all)  # [n, S]: each stage's copy, from whichever process holds it
     if not (seq_all == seq_all[0]).all():
         raise RuntimeError("pipeline stages disagree on the committed sequence (an engine bug)")
     tokens = seq_all[0, P_:n_commit].tolist()
@@ -158,10 +159,13 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         accepted=int(accepted), rejected=int(rejected),
         wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
-        backend=jax.default_backend(), devices=plan.n,
+        backend=jax.default_backend(), devices=plan.n, processes=jax.process_count(),
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
-                         "inter-stage transfers and all-reduces, the device-to-host copy of the result; "
-                         "excludes compilation (compile_s). On a CPU host the n devices share its cores, so "
-                         "stages run one after another"),
+                         "inter-stage transfers and all-reduces, the device-to-host copy of the result"
+                         + (f" (over {jax.process_count()} processes: the transfers and all-reduces cross them, "
+                            "gloo on a CPU host)" if jax.process_count() > 1 else "")
+                         + "; excludes compilation (compile_s)"
+                         + (". On a CPU host the n devices of one process share its cores, so stages run one "
+                            "after another" if jax.process_count() == 1 and jax.default_backend() == "cpu" else "")),
     )
     return tokens, stats

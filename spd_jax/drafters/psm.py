@@ -376,13 +376,17 @@ def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | N
     new directory `path`."""
     import orbax.checkpoint as ocp
 
+    from spd_jax import distributed
+
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"{path} exists; save the PSM to a new directory")
+    distributed.barrier("save_psm")  # in a multi-process job: every process checked before any writes
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", variables)
     ckptr.wait_until_finished()
-    (path / "psm.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
+    if distributed.is_leader():
+        (path / "psm.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
 
 
 def read_spec(path: str | Path) -> PSMConfig:
