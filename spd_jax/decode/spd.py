@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,33 @@ from spd_jax.pipeline.stages import StageLayout, stage_forward
 from spd_jax.drafters.psm import PSM, PSMConfig
 
 DRAFTERS = ("psm", "none", "oracle")
-# Independent random streams per position (fold_in of the token key): the target's own sample uses
-# the token key itself, exactly as autoregressive sampling does.
-_DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
 # Test hook only: accept every draft (a deliberately wrong rule the sampling test must detect).
 _TEST_ACCEPT_EVERY_DRAFT = False
+
+
+class LoopState(NamedTuple):
+    """The decode loop's replicated carry (the same on every stage: it comes out of collectives)."""
+
+    seq: jax.Array  # [S] int32: committed tokens, then the in-flight drafts
+    t: jax.Array  # position of the newest token (the one entering stage 0)
+    valid: jax.Array  # [n] bool: whether the token at depth d (position t - d) is in flight
+    completed: jax.Array  # positions < completed are verified
+    psm_len: jax.Array  # rows [0, psm_len) are in the PSM's cache
+    n_commit: jax.Array  # positions < n_commit are committed
+    table: jax.Array  # [W, m, H] anchor states of recent positions, a ring over positions
+    cycles: jax.Array
+    accepted: jax.Array
+    rejected: jax.Array
+    done: jax.Array
+
+
+class StageCarry(NamedTuple):
+    """The decode loop's per-stage carry (varying over `stage`)."""
+
+    x: jax.Array  # [1, 1, H] the hidden state entering this stage next cycle
+    cache: Any  # this stage's layer caches
+    pcache: Any  # the PSM's KV cache (used on the last stage)
+    qring: jax.Array  # [n, rows] this stage's shard of q for each in-flight draft (sampling with the PSM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +185,13 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
     seq = seq.at[prompt_len].set(y0)
     sampling_psm = use_psm and not ec.greedy
-    state = dict(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
-                 psm_len=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
-                 cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
-                 done=jnp.any(y0 == eos_ids) | (max_new <= 1))
+    state = LoopState(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
+                      psm_len=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
+                      cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
+                      done=jnp.any(y0 == eos_ids) | (max_new <= 1))
     # per-stage carries: what the stages compute differs between them from the first cycle on
-    local = vary(dict(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
-                      qring=jnp.zeros((n, vs.rows) if sampling_psm else (1, 1), jnp.float32)), STAGE)
+    local = vary(StageCarry(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
+                            qring=jnp.zeros((n, vs.rows) if sampling_psm else (1, 1), jnp.float32)), STAGE)
     budget_end = prompt_len + max_new  # positions < budget_end may be generated
 
     if use_psm:  # the PSM's head rows (its draft vocabulary's, or the whole vocabulary's), sharded the same way
@@ -179,23 +202,23 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     def draft_psm(st, loc):
         """The draft for t + 1: the PSM body on the last stage, its head and the choice over the stages.
         -> (draft token, PSM cache, q ring with this stage's shard of q for t + 1 when sampling)."""
-        t, pc = st["t"], st["psm_len"]
+        t, pc = st.t, st.psm_len
         rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
 
         def body(a):
             st, pcache = a
-            h = st["table"][rows_pos % W].at[:, 0].set(
-                decoder.embed(shared, st["seq"][jnp.clip(rows_pos, 0, S - 1)][None])[0])
-            return module.apply(psm_vars, vary(h, STAGE), pcache, pc, t, st["completed"], method=PSM.draft_hidden)
+            h = st.table[rows_pos % W].at[:, 0].set(
+                decoder.embed(shared, st.seq[jnp.clip(rows_pos, 0, S - 1)][None])[0])
+            return module.apply(psm_vars, vary(h, STAGE), pcache, pc, t, st.completed, method=PSM.draft_hidden)
 
         x_d, pcache = jax.lax.cond(is_last, body, lambda a: (vary(jnp.zeros((H,), emb.dtype), STAGE), a[1]),
-                                   (st, loc["pcache"]))
+                                   (st, loc.pcache))
         logits = jnp.where(own_q, module.apply(psm_vars, bcast(x_d), shared["final_norm"], qs.start(s), qs.rows,
                                                method=PSM.head_logits), -jnp.inf)  # [rows_q]
         if ec.greedy:
-            return vocab.argmax(logits, tok_ids[rows_q], STAGE), pcache, loc["qring"]
+            return vocab.argmax(logits, tok_ids[rows_q], STAGE), pcache, loc.qring
         warped = warp(logits, own_q, qs.rows)
-        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], t + 1), _DRAFT), warped, tok_ids[rows_q],
+        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], t + 1), vocab.DRAFT), warped, tok_ids[rows_q],
                               V, STAGE)
         q = vocab.softmax(warped, STAGE)  # over this stage's head rows
         if ec.psm.draft_vocab:  # head rows -> this stage's target-vocabulary shard (V' values cross, not V)
@@ -206,42 +229,33 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             at = tok_ids - vs.start(s)  # position in this stage's target-vocabulary shard
             mine = (at >= 0) & (at < vs.rows) & (tok_ids >= s * vs.rows)
             q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
-        return d, pcache, loc["qring"].at[(t + 1) % n].set(q)
+        return d, pcache, loc.qring.at[(t + 1) % n].set(q)
 
     def verify(st, loc, x_out):
         """Every stage, on its vocabulary shard: the token at p leaves the last stage; its logits decide
         position p+1 (the same decision on every stage: it comes out of collectives)."""
-        p1 = st["t"] - last + 1
-        has_next = st["valid"][last - 1] if n > 1 else jnp.bool_(False)
+        p1 = st.t - last + 1
+        has_next = st.valid[last - 1] if n > 1 else jnp.bool_(False)
         logits = target_logits(bcast(x_out[0, 0]))
-        drafted = st["seq"][p1]
+        drafted = st.seq[p1]
         if ec.greedy:
-            y = vocab.argmax(logits, ids_v, STAGE)
-            return has_next & (drafted == y), y
-        key = token_key(sp["seed"], p1)
-        warped = warp(logits, own_v, vs.rows)
-        p_dist = vocab.softmax(warped, STAGE)
+            ok, y = vocab.verify_greedy(logits, ids_v, drafted, STAGE)
+            return has_next & ok, y
         # oracle drafts: q is a point mass
-        q_dist = loc["qring"][p1 % n] if sampling_psm else (own_v & (ids_v == drafted)).astype(jnp.float32)
-        u = jax.random.uniform(jax.random.fold_in(key, _ACCEPT))
-        ok = has_next & vocab.accept(vocab.pick(p_dist, ids_v, own_v, drafted, STAGE),
-                                     vocab.pick(q_dist, ids_v, own_v, drafted, STAGE), u)
+        q_dist = loc.qring[p1 % n] if sampling_psm else (own_v & (ids_v == drafted)).astype(jnp.float32)
+        ok, y = vocab.verify_sampled(token_key(sp["seed"], p1), warp(logits, own_v, vs.rows), q_dist, drafted,
+                                     has_next, ids_v, own_v, V, STAGE)
         if _TEST_ACCEPT_EVERY_DRAFT:
             ok = has_next
-        # one draw (each costs Gumbel noise over the whole vocabulary): from the residual when a draft
-        # was rejected, else the target's own sample, with the key each uses (has_next is replicated)
-        res_key = jax.random.fold_in(key, _RESIDUAL)
-        draw_key = jax.random.wrap_key_data(jnp.where(has_next, jax.random.key_data(res_key), jax.random.key_data(key)))
-        dist = jnp.where(has_next, jnp.log(vocab.residual(p_dist, q_dist, STAGE)), warped)
-        return ok, vocab.categorical(draw_key, dist, ids_v, V, STAGE)
+        return ok, y
 
     def cycle(carry):
         st, loc = carry
-        t, valid, seq = st["t"], st["valid"], st["seq"]
+        t, valid, seq = st.t, st.valid, st.seq
 
         # 1. draft x_{t+1} from the states at the start of the cycle (early start)
         can_draft = (t + 1 < budget_end) & (ec.drafter != "none")
-        pcache, qring = loc["pcache"], loc["qring"]
+        pcache, qring = loc.pcache, loc.qring
         if use_psm:
             draft, pcache, qring = draft_psm(st, loc)
         elif ec.drafter == "oracle":
@@ -251,15 +265,15 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
         # 2. every stage advances its token
         pos_s, valid_s = t - s, valid[s]
-        x_in = jnp.where(s == 0, decoder.embed(shared, seq[t].reshape(1, 1)), loc["x"])
+        x_in = jnp.where(s == 0, decoder.embed(shared, seq[t].reshape(1, 1)), loc.x)
         x_out, cache, anc = jax.lax.cond(
             valid_s,
             lambda a: stage_forward(w, a[1], pr, a[0], pos_s, cfg, lay),
             lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, 1, H), a[0].dtype), STAGE)),
-            (x_in, loc["cache"]))
+            (x_in, loc.cache))
 
         # 3. anchor states of the in-flight tokens, gathered everywhere
-        table = st["table"]
+        table = st.table
         if use_psm:
             slot = pos_s % W
             mine = produces & valid_s
@@ -272,7 +286,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         # skipped while the pipeline refills (`verified` is replicated, so every stage takes the same
         # branch and the collectives inside stay matched)
         ok, y = jax.lax.cond(verified, lambda a: verify(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
-                             (st, dict(loc, qring=qring), x_out))
+                             (st, loc._replace(qring=qring), x_out))
         p1 = t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
         accept = verified & ok
@@ -281,27 +295,27 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         committed = seq[p1]
         draft_ok = can_draft & ~replace
         seq = jnp.where(draft_ok, seq.at[jnp.minimum(t + 1, S - 1)].set(draft), seq)
-        n_commit = jnp.where(verified, p1 + 1, st["n_commit"])
+        n_commit = jnp.where(verified, p1 + 1, st.n_commit)
         flushed = jnp.zeros((n,), bool).at[0].set(True)
         shifted = jnp.concatenate([draft_ok[None], valid[:-1]])
-        new = dict(
+        new = LoopState(
             seq=seq, table=table,
             t=jnp.where(replace, p1, t + 1),
             valid=jnp.where(replace, flushed, shifted),
-            completed=jnp.where(verified, p1, st["completed"]),
-            psm_len=st["completed"],  # this cycle's PSM block wrote every completed row
+            completed=jnp.where(verified, p1, st.completed),
+            psm_len=st.completed,  # this cycle's PSM block wrote every completed row
             n_commit=n_commit,
-            cycles=st["cycles"] + 1,
-            accepted=st["accepted"] + accept.astype(jnp.int32),
-            rejected=st["rejected"] + (replace & has_next).astype(jnp.int32),
+            cycles=st.cycles + 1,
+            accepted=st.accepted + accept.astype(jnp.int32),
+            rejected=st.rejected + (replace & has_next).astype(jnp.int32),
             done=(verified & jnp.any(committed == eos_ids)) | (n_commit - prompt_len >= max_new),
         )
         # 5. hidden states move one stage on
-        return new, dict(x=permute(x_out), cache=cache, pcache=pcache, qring=qring)
+        return new, StageCarry(x=permute(x_out), cache=cache, pcache=pcache, qring=qring)
 
     max_cycles = max_new * n + n + 2  # a safety bound: every n cycles commit at least one token
-    state, local = jax.lax.while_loop(lambda c: ~c[0]["done"] & (c[0]["cycles"] < max_cycles), cycle,
+    state, local = jax.lax.while_loop(lambda c: ~c[0].done & (c[0].cycles < max_cycles), cycle,
                                       (state, local))
     lift = lambda t: t[None]  # noqa: E731
-    return (state["seq"], state["n_commit"], state["cycles"], state["accepted"], state["rejected"],
-            state["seq"][None], jax.tree.map(lift, local["cache"]), jax.tree.map(lift, local["pcache"]))
+    return (state.seq, state.n_commit, state.cycles, state.accepted, state.rejected,
+            state.seq[None], jax.tree.map(lift, local.cache), jax.tree.map(lift, local.pcache))

@@ -12,6 +12,10 @@ The draws are exactly those of the unsharded rules: `jax.random.categorical(key,
 argmax(w + gumbel(key, [V])), so each shard adds its slice of the same [V] noise and the global argmax
 (first index among equal maxima, as `jnp.argmax`) is the same token. With `axis=None` every function
 is the plain single-device rule.
+
+`verify_greedy` and `verify_sampled` are the one verification rule of every speculative method: the SPD
+engine calls them for its one draft per cycle over the `stage` axis, the chain loop (`decode.chain`)
+for each of its k drafts and the bonus position with `axis=None`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import jax.numpy as jnp
 from spd_jax.decode.sampling import keep_threshold
 
 _NO_ID = jnp.iinfo(jnp.int32).max
+# Independent random streams of one position, fold_in'd into its token key (`sampling.token_key`): the
+# draft's draw, the acceptance test, the residual's draw. The target's own sample uses the token key
+# itself, exactly as autoregressive sampling does, so a position without a draft draws what `ar` draws.
+DRAFT, ACCEPT, RESIDUAL = 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +122,29 @@ def residual(p: jax.Array, q: jax.Array, axis: str | None) -> jax.Array:
 def accept(p_draft: jax.Array, q_draft: jax.Array, u: jax.Array) -> jax.Array:
     """Speculative sampling's test for a draft d ~ q: accept with probability min(1, p(d) / q(d))."""
     return u * q_draft < p_draft
+
+
+def verify_greedy(logits: jax.Array, ids: jax.Array, drafted: jax.Array, axis: str | None):
+    """Greedy verification of one position: logits [rows] (-inf off the shard's own rows), ids [rows]
+    -> (accepted: drafted == the target's argmax, the argmax: what the position commits otherwise)."""
+    y = argmax(logits, ids, axis)
+    return drafted == y, y
+
+
+def verify_sampled(key: jax.Array, warped: jax.Array, q: jax.Array, drafted: jax.Array, has_draft: jax.Array,
+                   ids: jax.Array, own: jax.Array, vocab_size: int, axis: str | None):
+    """Speculative sampling at one position. key: the position's token key; warped [rows]: the target's
+    warped logits (-inf outside the kept set and off the shard's own rows); q [rows]: the draft's
+    distribution on the same rows (zeros off them); drafted: the draft token (ignored without one);
+    has_draft: whether the position holds a draft (the same on every device).
+    -> (accepted, token): accepted = has_draft and u q(d) < p(d); token = what the position commits when
+    not accepted: a draw from norm(max(p - q, 0)) (p itself where that is all zero) after a draft, the
+    target's own draw from p (with the key itself, as `ar`) without one. One draw either way: each costs
+    Gumbel noise over the whole vocabulary."""
+    p = softmax(warped, axis)
+    u = jax.random.uniform(jax.random.fold_in(key, ACCEPT))
+    ok = has_draft & accept(pick(p, ids, own, drafted, axis), pick(q, ids, own, drafted, axis), u)
+    res_key = jax.random.fold_in(key, RESIDUAL)
+    draw_key = jax.random.wrap_key_data(jnp.where(has_draft, jax.random.key_data(res_key), jax.random.key_data(key)))
+    dist = jnp.where(has_draft, jnp.log(residual(p, q, axis)), warped)
+    return ok, categorical(draw_key, dist, ids, vocab_size, axis)
