@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       softmax_blocks)
-from spd_jax.models.deltanet import LinearState, gated_deltanet, init_linear_state, read_slot, write_slot
+from spd_jax.models.deltanet import (LinearState, gated_deltanet, init_linear_state, read_slot, write_slot,
+                                     write_slots)
 from spd_jax.models.layers import apply_rope, mlp, rms_norm, rope_cos_sin
 
 Params = dict
@@ -75,23 +76,26 @@ def attention_layer(lp, x, k_c, v_c, pos, cos, sin, cfg):
     return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg), k_new, v_new
 
 
-def linear_layer(lp, x, conv_prev, s_prev, length, cfg):
+def linear_layer(lp, x, conv_prev, s_prev, length, cfg, every_state: bool = False):
     h, conv_new, s_new = gated_deltanet(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset),
-                                        conv_prev, s_prev, cfg, length)
+                                        conv_prev, s_prev, cfg, length, every_state=every_state)
     x = x + h
     return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg), conv_new, s_new
 
 
 def run_layers(layers: Params, x: jax.Array, cache: Cache, pos: jax.Array, cfg: ModelConfig,
                kinds: tuple[str, ...] | None = None, collect_hidden: bool = False,
-               length: jax.Array | None = None):
+               length: jax.Array | None = None, every_state: bool = False):
     """Run a contiguous range of layers (weights/caches as cut by `slice_layers`; default: all).
 
     x [B, T, H] at positions [pos, pos+T) -> (x [B, T, H], cache with those positions written,
-    length: how many of the T tokens are real (default T; a prompt padded to a shape bucket), so
-    recurrent states end at the last real token. Outputs past `length` are garbage.
     hidden [n, B, T, H] or None), where hidden[i] is the output of the i-th layer of the range
     (h_{start+i+1} in SPD notation). Each maximal run of same-kind layers is one `lax.scan`.
+    length: how many of the T tokens are real (default T; a prompt padded to a shape bucket), so
+    recurrent states end at the last real token. Outputs past `length` are garbage.
+    every_state: Gated DeltaNet layers write their state after every one of the T tokens into the
+    ring (not only after the last; needs a ring of >= T slots), so the next call may start at any
+    position in (pos, pos+T]: chain verification rewinding to its last accepted draft.
     """
     kinds = cfg.layer_types if kinds is None else kinds
     T = x.shape[1]
@@ -117,7 +121,7 @@ def run_layers(layers: Params, x: jax.Array, cache: Cache, pos: jax.Array, cfg: 
         else:
             def body(x, xs):
                 p, conv_prev, s_prev = xs
-                x, conv_new, s_new = linear_layer(p, x, conv_prev, s_prev, length, cfg)
+                x, conv_new, s_new = linear_layer(p, x, conv_prev, s_prev, length, cfg, every_state)
                 return x, (conv_new, s_new, x if collect_hidden else None)
 
             x, (conv_new, s_new, h) = jax.lax.scan(body, x, (lp, lin_prev[0][a:a + n], lin_prev[1][a:a + n]))
@@ -125,7 +129,9 @@ def run_layers(layers: Params, x: jax.Array, cache: Cache, pos: jax.Array, cfg: 
             new_ssm.append(s_new)
         hidden.append(h)
         offset[kind] += n
-    if lin is not None:
+    if lin is not None and every_state:
+        lin = write_slots(lin, jnp.concatenate(new_conv), jnp.concatenate(new_ssm), pos)
+    elif lin is not None:
         last = pos + (T if length is None else length) - 1
         lin = write_slot(lin, jnp.concatenate(new_conv), jnp.concatenate(new_ssm), last)
     return x, Cache(kv, lin), (jnp.concatenate(hidden) if collect_hidden else None)

@@ -14,6 +14,10 @@ Rewind: the layer's state lives in a ring of R slots indexed by position. A call
 token pos+T-1 to slot (pos+T-1) % R. Restoring the state of k tokens ago is therefore just running
 the next call at pos-k, valid while k < R and the k tokens were absorbed by calls that each ended on a
 slot (one-token steps always do). The SPD engine sizes R to the pipeline depth n.
+
+A call with `every_state=True` writes the state after each of its T tokens to that token's slot
+(`write_slots`; needs R >= T), so chain verification can rewind into the middle of its multi-token
+call: after accepting j of k drafts, the next call simply starts at the position after them.
 """
 
 from __future__ import annotations
@@ -67,23 +71,41 @@ def write_slot(state: LinearState, conv: jax.Array, ssm: jax.Array, last_pos: ja
     return LinearState(conv_all, ssm_all)
 
 
+def write_slots(state: LinearState, conv: jax.Array, ssm: jax.Array, first_pos: jax.Array,
+                layer_offset: int = 0) -> LinearState:
+    """Store layers [layer_offset, layer_offset+n)'s states after each of T tokens, token i (at position
+    first_pos + i) in its slot: conv [n, B, T, K-1, C], ssm [n, B, T, Hv, Dk, Dv]. Needs T <= R (the
+    slots of T consecutive positions are then distinct)."""
+    T = ssm.shape[2]
+    if T > state.depth:
+        raise ValueError(f"a call of {T} tokens keeping every state needs a ring of >= {T} slots, not {state.depth}")
+    n = ssm.shape[0]
+    slots = (first_pos + jnp.arange(T)) % state.depth
+    layers = layer_offset + jnp.arange(n)
+    # [n, B, T, ...] -> [n, T, B, ...]: one scatter of n x T (layer, slot) blocks
+    conv_all = state.conv.at[layers[:, None], slots[None, :]].set(jnp.swapaxes(conv, 1, 2).astype(state.conv.dtype))
+    ssm_all = state.ssm.at[layers[:, None], slots[None, :]].set(jnp.swapaxes(ssm, 1, 2))
+    return LinearState(conv_all, ssm_all)
+
+
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def delta_rule_recurrent(q, k, v, g, beta, s0):
+def delta_rule_recurrent(q, k, v, g, beta, s0, every_state: bool = False):
     """Token-by-token form. q, k [B, T, Hv, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; s0 [B, Hv, Dk, Dv].
-    All float32, q/k already normalised and q scaled. Returns (o [B, T, Hv, Dv], s [B, Hv, Dk, Dv])."""
+    All float32, q/k already normalised and q scaled. Returns (o [B, T, Hv, Dv], s [B, Hv, Dk, Dv]), or
+    with every_state (o, s [B, T, Hv, Dk, Dv]): the state after each token."""
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
         s = s * jnp.exp(g_t)[..., None, None]
         u = b_t[..., None] * (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t))
         s = s + k_t[..., :, None] * u[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t), s if every_state else None)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    s, o = jax.lax.scan(step, s0, xs)
-    return jnp.moveaxis(o, 0, 1), s
+    s, (o, states) = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1), (jnp.moveaxis(states, 0, 1) if every_state else s)
 
 
 def delta_rule_chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
@@ -131,14 +153,16 @@ def delta_rule_chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
 
 
 def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Array, cfg: ModelConfig,
-                   length: jax.Array | None = None, chunked: bool | None = None):
+                   length: jax.Array | None = None, chunked: bool | None = None, every_state: bool = False):
     """One Gated DeltaNet block on T tokens that follow the given state.
 
     x [B, T, H] (normed); conv_prev [B, K-1, C]; s_prev [B, Hv, Dk, Dv] float32.
     length: how many of the T tokens are real (default T); the padding after them leaves the states
     untouched, so a prompt padded to a shape bucket gives the state of the prompt alone.
     chunked: None picks the recurrent form for T == 1 and the chunked form otherwise.
-    Returns (out [B, T, H], conv_new [B, K-1, C], s_new [B, Hv, Dk, Dv]).
+    Returns (out [B, T, H], conv_new [B, K-1, C], s_new [B, Hv, Dk, Dv]); with every_state the states
+    after each token, conv_new [B, T, K-1, C] and s_new [B, T, Hv, Dk, Dv], from the recurrent form
+    whatever `chunked` says (it is the form that has them; a chain's pass is only k + 1 tokens).
     """
     lc = cfg.linear
     B, T, _ = x.shape
@@ -148,7 +172,11 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
     # Depthwise causal conv: out[t] = sum_j w[j] * full[t + j]; conv_w [K, C].
     conv = sum(full[:, j:j + T] * lp["conv_w"][j] for j in range(K))
     conv = jax.nn.silu(conv)
-    if length is None:
+    if every_state:
+        if length is not None:
+            raise ValueError("every_state keeps each token's state; a padded call (length) has no use for it")
+        conv_new = jnp.stack([full[:, i + 1:i + K] for i in range(T)], axis=1)  # the K-1 inputs ending at token i
+    elif length is None:
         conv_new = full[:, T:]  # the last K-1 inputs
     else:
         conv_new = jax.lax.dynamic_slice_in_dim(full, length, K - 1, axis=1)
@@ -169,9 +197,12 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
         real = (jnp.arange(T) < length)[None, :, None]
         beta, g = jnp.where(real, beta, 0.0), jnp.where(real, g, 0.0)
 
-    use_chunked = (T > 1) if chunked is None else chunked
-    rule = delta_rule_chunked if use_chunked else delta_rule_recurrent
-    o, s_new = rule(q, k, v, g, beta, s_prev.astype(jnp.float32))  # o [B, T, Hv, Dv]
+    if every_state:
+        o, s_new = delta_rule_recurrent(q, k, v, g, beta, s_prev.astype(jnp.float32), every_state=True)
+    else:
+        use_chunked = (T > 1) if chunked is None else chunked
+        rule = delta_rule_chunked if use_chunked else delta_rule_recurrent
+        o, s_new = rule(q, k, v, g, beta, s_prev.astype(jnp.float32))  # o [B, T, Hv, Dv]
 
     # Gated RMSNorm per value head: plain weight, gated by silu(z), normalised in float32.
     z = (x @ lp["w_z"]).reshape(B, T, lc.num_v_heads, lc.v_dim)
