@@ -86,10 +86,11 @@ def _release_executables():
     import gc
 
     from spd_jax import api
-    from spd_jax.decode import pipelined
+    from spd_jax.decode import chain, pipelined
 
     api._compiled.clear()
     pipelined._compiled.clear()
+    chain._compiled.clear()
     jax.clear_caches()
     gc.collect()
 

@@ -1,0 +1,110 @@
+"""The chain drafter interface (what `decode.chain` asks of a drafter) and the drafters without a
+network: none (no drafts: the chain loop is then plain autoregressive decoding) and oracle (proposes
+given reference tokens; tests only).
+
+A drafter is a frozen dataclass: hashable, a static argument of the jitted loop, holding only static
+configuration (chain length k, the target features it reads, its network's config). Its weights
+(`params`) and its per-sequence state (a KV cache, a last hidden state) are pytrees passed in and
+returned, so one compiled loop serves any weights of the same shapes. A drafter proposes and nothing
+else: the loop owns the target, sampling and verification; a drafter sees sampling only through the
+`choose` callback the loop hands to `propose`, and verification only as how many tokens were committed.
+
+Positions: `pos` is the position of the newest committed token, the one the next target pass starts
+with; the round's drafts are for positions pos+1 .. pos+k. Caches are indexed by position, so a
+rejection needs no rollback: the next round overwrites the rejected rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# choose(logits [V] float32 over the target's vocabulary, i) -> (draft token int32, q): the loop's rule
+# for the draft at position pos + 1 + i (argmax when greedy; else a draw from the warped logits with the
+# position's draft key, and q [V] float32 the warped distribution; q has shape [0] when greedy).
+Choose = Callable[[jax.Array, int | jax.Array], tuple[jax.Array, jax.Array]]
+
+
+class ChainDrafter(Protocol):
+    k: int  # drafts per round: the chain length (static)
+    feature_layers: tuple[int, ...]  # hidden-state indices it reads (h_0 = embedding, h_l = layer l-1's output)
+
+    def init(self, params: Any, cache_len: int, dtype) -> Any:
+        """-> a fresh per-sequence state for positions [0, cache_len)."""
+
+    def prefill(self, params: Any, state: Any, feats: jax.Array, next_tokens: jax.Array,
+                length: jax.Array) -> Any:
+        """The prompt's positions [0, length): feats [T, F] the target's features at each position
+        (F = len(feature_layers) * H), next_tokens [T] the token at position t + 1 (the last one is the
+        prefill's committed token); rows past length are padding. -> state."""
+
+    def propose(self, params: Any, state: Any, pos: jax.Array, choose: Choose):
+        """-> (drafts [k] int32 for positions pos+1 .. pos+k, q [k, V] float32 their distributions (read
+        only when sampling; a greedy `choose` returns an empty q, so [k, 0] is fine then), state)."""
+
+    def commit(self, params: Any, state: Any, feats: jax.Array, next_tokens: jax.Array, pos: jax.Array,
+               count: jax.Array) -> Any:
+        """After a round: its target pass covered positions [pos, pos+k], feats [k+1, F] there;
+        next_tokens [k+1] the committed token at position pos+1+i (valid for i < count); the positions
+        [pos, pos+count) are now verified. -> state."""
+
+
+def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) -> jax.Array:
+    """emb [B, T, H], hidden [L, B, T, H] (every layer's output, `run_layers(collect_hidden=True)`) ->
+    [B, T, len(layers) * H]: h_l for each l in layers, concatenated ([B, T, 0] for no layers)."""
+    if not layers:
+        return jnp.zeros((*emb.shape[:2], 0), emb.dtype)
+    return jnp.concatenate([emb if b == 0 else hidden[b - 1] for b in layers], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter:
+    """No drafts (k = 0): each round is one target pass that commits its own token, i.e. `ar`."""
+
+    vocab_size: int
+    k: int = 0
+    feature_layers: tuple[int, ...] = ()
+
+    def init(self, params, cache_len, dtype):
+        return ()
+
+    def prefill(self, params, state, feats, next_tokens, length):
+        return state
+
+    def propose(self, params, state, pos, choose):
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0, self.vocab_size), jnp.float32), state
+
+    def commit(self, params, state, feats, next_tokens, pos, count):
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """Proposes given reference tokens (tests only): params = `reference(prompt_len, tokens)`, the
+    reference token at each absolute position (token 0 past its end). Its q is a point mass on the
+    draft."""
+
+    k: int
+    vocab_size: int
+    feature_layers: tuple[int, ...] = ()
+
+    @staticmethod
+    def reference(prompt_len: int, tokens: Sequence[int]) -> jax.Array:
+        """[prompt_len + len(tokens)] int32: the continuation `tokens` at positions prompt_len, ..."""
+        return jnp.zeros((prompt_len + len(tokens),), jnp.int32).at[prompt_len:].set(jnp.asarray(tokens, jnp.int32))
+
+    def init(self, params, cache_len, dtype):
+        return ()
+
+    def prefill(self, params, state, feats, next_tokens, length):
+        return state
+
+    def propose(self, params, state, pos, choose):
+        drafts = jnp.take(params, pos + 1 + jnp.arange(self.k), mode="fill", fill_value=0)
+        return drafts, jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32), state
+
+    def commit(self, params, state, feats, next_tokens, pos, count):
+        return state

@@ -1,0 +1,423 @@
+"""An EAGLE-3-style chain drafter: the resource-matched baseline of a standard speculative method.
+
+The draft row at position t reads the target's hidden states at a low, a middle and a high layer
+(concatenated, [3H]) fused to [H] by one linear layer, and the embedding of the token at t + 1; one
+decoder layer of the target's attention kind (its q/k/v and output-gate projections read both halves,
+[2H]; the residual stream is the feature half) with its own KV cache, then its own final norm
+(initialised from the target's) and the target's LM head (frozen, shared; optionally its rows of a
+draft vocabulary) predict the token at t + 2. Drafting k tokens: the first comes from the last verified row; draft step i > 0 adds a row at
+the next position whose feature is the drafter's own previous output (the target has not run that
+token yet) and whose token is the previous draft.
+
+Training ("training-time test", `Eagle3.train_logits`, `eagle3_loss`) unrolls those steps over every
+position of a teacher-forced sequence with the attention pattern inference has: step i's row at index
+t (position t + i) attends to the step-0 rows at positions <= t and to the rows of steps 1..i at index t,
+so what is trained is what `Eagle3Drafter.propose` computes (tests/test_chain.py checks it).
+
+Checkpoints are orbax + `eagle3.json` naming the target and the feature layers; a mismatch is refused.
+This module holds the drafter's network, its loss and its checkpoints; the loop is `decode.chain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.drafters.base import features
+from spd_jax.drafters.psm import check_vocab_ids, target_signature
+from spd_jax.models import decoder, schema
+from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
+                                      project_qkv, softmax_blocks)
+from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
+
+FORMAT = 1  # eagle3.json layout version
+KIND = "eagle3"
+
+
+def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's feature layers, as hidden-state indices (h_l = the input of layer l): the inputs of
+    layers 2, L/2 and L-3, clipped into [0, L] and sorted for tiny models."""
+    L = num_layers
+    return tuple(sorted((min(2, L), L // 2, max(L - 3, 0))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    layers: tuple[int, ...]  # hidden-state indices of the fused features (low, mid, high)
+    target: tuple  # `psm.target_signature` of the target it belongs to
+    draft_vocab: int = 0  # V': the head over a draft vocabulary; 0 = the target's whole vocabulary
+
+    @classmethod
+    def for_target(cls, cfg: ModelConfig, layers: Sequence[int] | None = None, draft_vocab: int = 0) -> "Eagle3Config":
+        layers = tuple(int(b) for b in layers) if layers is not None else default_layers(cfg.num_layers)
+        if not layers or min(layers) < 0 or max(layers) > cfg.num_layers:
+            raise ValueError(f"feature layers must be hidden-state indices in [0, {cfg.num_layers}], got {layers}")
+        if not 0 <= draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab must be in 0..{cfg.vocab_size} (0: the whole vocabulary), got {draft_vocab}")
+        return cls(layers, target_signature(cfg), 0 if draft_vocab == cfg.vocab_size else int(draft_vocab))
+
+
+def layer_schema(cfg: ModelConfig) -> dict[str, schema.Leaf]:
+    """The drafter's decoder layer: the target's full-attention layer, its q/k/v (and output gate)
+    projections reading [2H] (normed embedding | normed feature), plus the feature half's norm."""
+    s = dict(schema.layer_schema(cfg, ATTENTION))
+    for key in ("wq", "wk", "wv", "wq_gate"):
+        if key in s:
+            leaf = s[key]
+            # [2H] is not the "embed" axis (another size, two things concatenated): replicated
+            s[key] = dataclasses.replace(leaf, shape=(2 * leaf.shape[0], leaf.shape[1]), axes=(None, leaf.axes[1]),
+                                         hf_shape=(leaf.hf_shape[0], 2 * leaf.hf_shape[1]))
+    s["hidden_norm"] = s["attn_norm"]  # attn_norm normalises the embedding half (EAGLE-3's input_layernorm)
+    return s
+
+
+class Eagle3(nn.Module):
+    cfg: ModelConfig  # the target's
+    spec: Eagle3Config
+
+    def setup(self):
+        H = self.cfg.hidden_size
+        logical = nn.with_logical_partitioning
+        self.fc = nn.Dense(H, use_bias=False, name="fc", kernel_init=logical(nn.initializers.lecun_normal(),
+                                                                             (None, "embed")))
+        self.layer = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), leaf.axes), leaf.shape)
+                      for k, leaf in layer_schema(self.cfg).items()}
+        norm = schema.global_schema(self.cfg)["final_norm"]
+        self.final_norm = self.param("final_norm", logical(schema.initializer(norm, self.cfg), norm.axes), norm.shape)
+        V = self.spec.draft_vocab or self.cfg.vocab_size
+        vocab_axis = "draft_vocab" if self.spec.draft_vocab else "vocab"
+        self.lm_head = self.param("lm_head", logical(nn.initializers.normal(0.02), (vocab_axis, "embed")), (V, H))
+        if self.spec.draft_vocab:  # [V'] token ids of the head's rows, sorted; not trained
+            self.vocab_ids = self.variable("vocab", "ids", lambda: jnp.arange(V, dtype=jnp.int32))
+
+    def fuse(self, feats: jax.Array) -> jax.Array:
+        """feats [..., m*H] (the target's hidden states at `spec.layers`, concatenated) -> [..., H]."""
+        return self.fc(feats.astype(self.lm_head.dtype))
+
+    def _inputs(self, feat: jax.Array, emb: jax.Array) -> jax.Array:
+        lp, eps, off = self.layer, self.cfg.rms_norm_eps, self.cfg.norm_offset
+        return jnp.concatenate([rms_norm(emb, lp["attn_norm"], eps, off), rms_norm(feat, lp["hidden_norm"], eps, off)],
+                               axis=-1)
+
+    def _finish(self, feat: jax.Array, a: jax.Array) -> jax.Array:
+        lp, cfg = self.layer, self.cfg
+        r = feat + a
+        return r + mlp(lp, rms_norm(r, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg)
+
+    def step(self, feat: jax.Array, emb: jax.Array, cache: KVCache, pos: jax.Array):
+        """Rows at positions [pos, pos+T) over the drafter's cache (positions < pos): feat [B, T, H]
+        (fused target features, or the drafter's own previous outputs), emb [B, T, H] (embeddings of the
+        tokens one position later); cache k/v [B, Nkv, S, D]. -> (out [B, T, H] before the final norm,
+        cache with the rows written)."""
+        T = feat.shape[1]
+        cos, sin = rope_cos_sin(self.cfg, pos + jnp.arange(T))
+        a, k_new, v_new = attention(self.layer, self._inputs(feat, emb), cache.k, cache.v, pos, cos, sin, self.cfg)
+        cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, pos, 0)),
+                        jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, pos, 0)))
+        return self._finish(feat, a), cache
+
+    def head_logits(self, x: jax.Array) -> jax.Array:
+        """x [..., H] -> float32 logits [..., V'] over the head's rows."""
+        return decoder.head_logits(x, self.final_norm, self.lm_head, self.cfg)
+
+    def token_ids(self) -> jax.Array:
+        """[V'] int32: the token id of each head row."""
+        if self.spec.draft_vocab:
+            return self.vocab_ids.value
+        return jnp.arange(self.cfg.vocab_size, dtype=jnp.int32)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [..., H] -> float32 logits [..., V] over the target's vocabulary (-inf off a draft vocabulary)."""
+        lg = self.head_logits(x)
+        if not self.spec.draft_vocab:
+            return lg
+        full = jnp.full((*lg.shape[:-1], self.cfg.vocab_size), -jnp.inf, lg.dtype)
+        return full.at[..., self.vocab_ids.value].set(lg)
+
+    def train_logits(self, feats: jax.Array, emb: jax.Array, steps: int) -> jax.Array:
+        """The training-time test: feats [B, T, m*H] teacher-forced target features, emb [B, T, H] the
+        embeddings of the sequence's tokens -> float32 head logits [steps, B, T, V'], entry [i, :, t]
+        being draft step i made after the verified position t + 1 (the row at position t + i, predicting
+        the token at t + i + 2), exactly as `Eagle3Drafter.propose` makes it when its earlier drafts were
+        the sequence's tokens. Entries whose inputs run past the sequence's end are garbage."""
+        cfg, lp = self.cfg, self.layer
+        B, T, _ = feats.shape
+        dt = self.lm_head.dtype
+        tpos = jnp.arange(T)
+        causal = tpos[None, :] <= tpos[:, None]  # [T(query), T(key)]
+        feat = self.fuse(feats)
+        emb = emb.astype(dt)
+        keys0 = None  # step 0's keys/values: the verified rows' chain
+        diag = []  # steps 1..i's keys/values, one per index t (the row at position t + j)
+        out = []
+        for i in range(steps):
+            tok = jnp.pad(emb, ((0, 0), (0, 1 + i), (0, 0)))[:, 1 + i:]  # the token at t + 1 + i
+            x2 = self._inputs(feat, tok)
+            cos, sin = rope_cos_sin(cfg, tpos + i)
+            q, k, v = project_qkv(lp, x2, cos, sin, cfg)  # [B, T, N, D]
+            qg = group_queries(q, cfg)  # [B, T, Nkv, G, D]
+            if i == 0:
+                keys0 = (k, v)
+            else:
+                diag.append((k, v))
+            s0 = jnp.einsum("btkgd,bskd->btkgs", qg, keys0[0], preferred_element_type=jnp.float32)
+            blocks = [jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)]
+            blocks += [jnp.einsum("btkgd,btkd->btkg", qg, kj, preferred_element_type=jnp.float32)[..., None]
+                       for kj, _ in diag]
+            p = softmax_blocks(blocks)
+            o = jnp.einsum("btkgs,bskd->btkgd", p[0].astype(dt), keys0[1])
+            for pj, (_, vj) in zip(p[1:], diag):
+                o = o + pj.astype(dt) * vj[:, :, :, None, :]
+            a = output_projection(lp, o.reshape(B, T, cfg.q_size), x2, cfg)
+            feat = self._finish(feat, a)  # step i's output: step i + 1's feature at the same index
+            out.append(self.head_logits(feat))
+        return jnp.stack(out)
+
+    def __call__(self, feats, emb, cache, pos):
+        x, cache = self.step(self.fuse(feats), emb, cache, pos)
+        return self.logits(x), cache
+
+    def create(self, feats: jax.Array):
+        """Touches every variable and runs nothing else: `init` through it traces no layer (fast)."""
+        return self.fuse(feats), self.layer, self.final_norm, self.token_ids()
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """`drafters.base.ChainDrafter` of an EAGLE-3 network. params: `drafter_params(variables, target)`
+    (its variables and the target's embedding, shared). State: (its KV cache [1, Nkv, S, D], the output
+    [H] of the newest verified row, which predicts the first draft)."""
+
+    cfg: ModelConfig
+    spec: Eagle3Config
+    k: int
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.spec.layers
+
+    def _apply(self, params, *args, method):
+        return Eagle3(self.cfg, self.spec).apply(params["vars"], *args, method=method)
+
+    def init(self, params, cache_len, dtype):
+        kv = init_kv_cache(self.cfg, 1, 1, cache_len, dtype)
+        return KVCache(kv.k[0], kv.v[0]), jnp.zeros((self.cfg.hidden_size,), dtype)
+
+    def _rows(self, params, cache, feats, next_tokens, pos, last):
+        emb = decoder.embed(params, next_tokens[None])
+        x, cache = self._apply(params, self._apply(params, feats[None], method=Eagle3.fuse), emb, cache, pos,
+                               method=Eagle3.step)
+        return cache, jax.lax.dynamic_index_in_dim(x[0], last, keepdims=False)
+
+    def prefill(self, params, state, feats, next_tokens, length):
+        return self._rows(params, state[0], feats, next_tokens, jnp.int32(0), length - 1)
+
+    def commit(self, params, state, feats, next_tokens, pos, count):
+        return self._rows(params, state[0], feats, next_tokens, pos, count - 1)
+
+    def propose(self, params, state, pos, choose):
+        cache, x = state
+        d0, q0 = choose(self._apply(params, x, method=Eagle3.logits), 0)
+
+        def step(carry, i):
+            cache, x, d = carry
+            x, cache = self._apply(params, x[None, None], decoder.embed(params, d.reshape(1, 1)), cache, pos - 1 + i,
+                                   method=Eagle3.step)
+            x = x[0, 0]
+            d, q = choose(self._apply(params, x, method=Eagle3.logits), i)
+            return (cache, x, d), (d, q)
+
+        (cache, _, _), (ds, qs) = jax.lax.scan(step, (cache, x, d0), jnp.arange(1, self.k))
+        # the state keeps the verified row's output: the next round starts from the rows commit writes
+        return jnp.concatenate([d0[None], ds]), jnp.concatenate([q0[None], qs]), (cache, state[1])
+
+
+def drafter_params(variables: dict, target_params: dict) -> dict:
+    """The chain loop's drafter params: the EAGLE-3 variables and the target's embedding (shared)."""
+    return {"vars": variables, "embed": target_params["embed"]}
+
+
+def _init_boxed(cfg: ModelConfig, spec: Eagle3Config, seed) -> dict:
+    return Eagle3(cfg, spec).init(jax.random.key(seed), jnp.zeros((1, len(spec.layers) * cfg.hidden_size)),
+                                  method=Eagle3.create)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_random(cfg: ModelConfig, spec: Eagle3Config, seed) -> dict:
+    return nn.unbox(_init_boxed(cfg, spec, seed))
+
+
+def init_eagle3(cfg: ModelConfig, spec: Eagle3Config, target_params: dict, seed: int = 0, dtype=jnp.float32,
+                vocab_ids=None) -> dict:
+    """Random drafter weights (seeded); the LM head and final norm copied from the target's (the head's
+    rows at vocab_ids [V'] with a draft vocabulary, which then needs them)."""
+    variables = _init_random(cfg, spec, seed)
+    params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
+    head = decoder.lm_head(target_params, cfg)
+    out = {"params": params}
+    if spec.draft_vocab:
+        if vocab_ids is None:
+            raise ValueError("an EAGLE-3 drafter with a draft vocabulary needs its token ids (vocab_ids)")
+        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
+        head = head[out["vocab"]["ids"]]
+    params["lm_head"] = jnp.asarray(head, dtype)
+    params["final_norm"] = jnp.array(target_params["final_norm"], dtype, copy=True)  # trained: not aliased
+    return out
+
+
+def eagle3_axes(cfg: ModelConfig, spec: Eagle3Config) -> dict:
+    """The variables pytree with each leaf's logical axes in place of the array."""
+    boxed = jax.eval_shape(lambda: _init_boxed(cfg, spec, 0))
+    return jax.tree.map(lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else (None,) * len(x.shape),
+                        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+# ---------------------------------------------------------------- training
+
+
+def split_params(variables: dict) -> tuple[dict, dict]:
+    """-> (trainable params, frozen variables): the LM head is the target's, shared and frozen (as
+    `train.loop.split_params` splits a PSM's)."""
+    p = dict(variables["params"])
+    head = p.pop("lm_head")
+    return p, {**variables, "params": {"lm_head": head}}
+
+
+def join_params(trainable: dict, frozen: dict) -> dict:
+    return {**frozen, "params": {**trainable, **frozen["params"]}}
+
+
+def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig, spec: Eagle3Config, tau: float = 1.0,
+                steps: int = 3):
+    """The training-time-test loss, with `train.loop.psm_loss`'s conventions -> (sum of the masked KL,
+    metrics sums). batch: tokens [B, T] int32, mask [B, T] bool (position t predicts a response
+    token); keys: unused (no simulated randomness), accepted so a training step calls either loss alike.
+    Step i's row at index t predicts the token at t + i + 2, i.e. matches the teacher's logits at
+    position t + i + 1, weighted by mask[t + i + 1]; KL(teacher || drafter) at temperature tau, times
+    tau^2, summed over the steps, each step weighted alike. metrics: kl_sum, agree_sum (the draft's
+    argmax equals the unrestricted teacher's), positions (the weights' sum over steps)."""
+    del keys
+    tokens, mask = batch["tokens"], batch["mask"]
+    B, T = tokens.shape
+    cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
+    variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                             join_params(trainable, frozen))
+    cache = decoder.init_cache(cfg, B, T, cd)
+    emb = decoder.embed(target, tokens)
+    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    feats = jax.lax.stop_gradient(features(emb, hidden, spec.layers))
+    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
+    student = Eagle3(cfg, spec).apply(variables, feats, jax.lax.stop_gradient(emb), steps,
+                                      method=Eagle3.train_logits)  # [steps, B, T, V']
+    ids = variables["vocab"]["ids"] if spec.draft_vocab else None
+    kl_sum = agree_sum = positions = jnp.float32(0.0)
+    for i in range(steps):
+        shift = lambda a: jnp.pad(a, [(0, 0), (0, 1 + i)] + [(0, 0)] * (a.ndim - 2))[:, 1 + i:]  # noqa: E731  a[t+1+i]
+        t_logits, w = shift(teacher), shift(mask).astype(jnp.float32)
+        drafted = jnp.argmax(student[i], -1)
+        t_v = t_logits if ids is None else t_logits[..., ids]  # restricted to the draft vocabulary, renormalised
+        if ids is not None:
+            drafted = ids[drafted]
+        logp = jax.nn.log_softmax(t_v / tau)
+        logq = jax.nn.log_softmax(student[i] / tau)
+        kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
+        kl_sum += (kl * w).sum()
+        agree_sum += ((jnp.argmax(t_logits, -1) == drafted) * w).sum()
+        positions += w.sum()
+    return kl_sum, dict(kl_sum=kl_sum, agree_sum=agree_sum, positions=positions)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class Eagle3CheckpointError(ValueError):
+    """An EAGLE-3 checkpoint that does not belong to this target model."""
+
+
+def spec_to_json(spec: Eagle3Config) -> dict:
+    return dict(format=FORMAT, kind=KIND, **dataclasses.asdict(spec))
+
+
+def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
+    if d.get("kind") != KIND:
+        raise Eagle3CheckpointError(f"checkpoint {where} is not an EAGLE-3 drafter (kind {d.get('kind')!r})")
+    if d.get("format") != FORMAT:
+        raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} has format {d.get('format')!r}, this version reads "
+                                    f"format {FORMAT}")
+    return Eagle3Config(tuple(d["layers"]), tuple(d["target"]), int(d.get("draft_vocab", 0)))
+
+
+def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None) -> None:
+    """Write variables (orbax) and the spec (`eagle3.json`, plus `extra` facts such as training
+    provenance; "head": "shared" when variables lack the LM head) to a new directory `path`."""
+    import orbax.checkpoint as ocp
+
+    from spd_jax import distributed
+
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"{path} exists; save the drafter to a new directory")
+    distributed.barrier("save_eagle3")  # in a multi-process job: every process checked before any writes
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path / "params", variables)
+    ckptr.wait_until_finished()
+    if distributed.is_leader():
+        (path / "eagle3.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
+
+
+def read_spec(path: str | Path) -> Eagle3Config:
+    path = Path(path).absolute()
+    meta = path / "eagle3.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
+    return spec_from_json(json.loads(meta.read_text()), str(path))
+
+
+def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:
+    """Refuse a drafter made for another target model (or, when given, other feature layers)."""
+    want = target_signature(cfg)
+    if spec.target != want:
+        names = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
+        diff = [f"{k}: checkpoint {a} vs model {b}" for k, a, b in zip(names, spec.target, want) if a != b]
+        raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} was trained for another model ({'; '.join(diff)})")
+    if max(spec.layers) > cfg.num_layers:
+        raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} reads hidden state {max(spec.layers)}; the model "
+                                    f"has {cfg.num_layers} layers")
+    if layers is not None and tuple(layers) != spec.layers:
+        raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} reads feature layers {list(spec.layers)}, not "
+                                    f"{list(layers)}")
+
+
+def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=jnp.float32,
+                layers: Sequence[int] | None = None) -> tuple[Eagle3Config, dict]:
+    """Load a drafter saved by `save_eagle3`, refusing one trained for another target (or other layers).
+    One saved without its LM head ("head": "shared") gets the target's."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    spec = read_spec(path)
+    check_spec(spec, cfg, str(path), layers)
+    shared = json.loads((path / "eagle3.json").read_text()).get("head") == "shared"
+    zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
+    if not cfg.tie_word_embeddings:
+        zeros["lm_head"] = zeros["embed"]
+    abstract = jax.eval_shape(lambda: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab)))
+    if shared:
+        del abstract["params"]["lm_head"]
+    variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    if spec.draft_vocab:
+        check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
+    if shared:
+        head = decoder.lm_head(target_params, cfg)
+        variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
+    return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
+                              variables)
