@@ -231,6 +231,26 @@ def _core_groups(processes: int) -> list[set[int]] | None:
     return [set(cores[i * per:(i + 1) * per]) for i in range(processes)]
 
 
+def _worker_setup(cores: set[int] | None) -> None:
+    """In each worker, before it runs: its cores, and death with the launcher (Linux: the kernel sends
+    SIGKILL when the launcher's process ends, however it ends), so no worker outlives its job."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
 def _forward(stream, prefix: str) -> None:
     for line in iter(stream.readline, b""):
         sys.stderr.write(prefix + line.decode(errors="replace"))
@@ -260,7 +280,7 @@ def launch(processes: int, module: str, argv: Sequence[str], local_devices: int 
         cores = groups[i] if groups else None
         p = subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
                              stdout=None if i == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
+                             preexec_fn=lambda c=cores: _worker_setup(c))
         procs.append(p)
         t = threading.Thread(target=_forward, args=(p.stderr, f"[worker {i}] "), daemon=True)
         t.start()
@@ -268,6 +288,7 @@ def launch(processes: int, module: str, argv: Sequence[str], local_devices: int 
         print(f"launch: worker {i} is pid {p.pid}" + (f" on cores {sorted(cores)}" if cores else ""),
               file=sys.stderr, flush=True)
     failed = None
+    previous = signal.signal(signal.SIGTERM, _stop)  # a terminated launcher stops its workers first
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -280,6 +301,10 @@ def launch(processes: int, module: str, argv: Sequence[str], local_devices: int 
             time.sleep(0.1)
     except KeyboardInterrupt:
         failed = (None, -signal.SIGINT)
+    except _Stopped:
+        failed = (None, -signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if failed is not None:
         for p in procs:
             if p.poll() is None:
@@ -297,8 +322,10 @@ def launch(processes: int, module: str, argv: Sequence[str], local_devices: int 
         return 0
     i, code = failed
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    who = "interrupted" if i is None else f"worker {i} (pid {procs[i].pid}) {how}"
-    print(f"launch: error: {who}; stopped the other workers", file=sys.stderr, flush=True)
+    who = (f"the launcher was stopped ({signal.Signals(-code).name})" if i is None
+           else f"worker {i} (pid {procs[i].pid}) {how}")
+    print(f"launch: error: {who}; stopped the {'other ' if i is not None else ''}workers", file=sys.stderr,
+          flush=True)
     return 1
 
 
