@@ -132,6 +132,36 @@ def test_device_aware_plan_counts_the_fixed_work():
         assert busy == cyc.device_busy(cfg, aware, psm, cyc.H200_NVLINK, context=512, heads=heads)
 
 
+def test_psm_placement():
+    """The PSM body on any stage or on a device of its own: where the busy time and the heads go, and
+    the best placement equals trying every device."""
+    cfg = ModelConfig.named("qwen3-0.6b")
+    n = 4
+    plan = StagePlan((8, 8, 6, 6))  # the last two stages have room for the PSM
+    psm = _psm_cfg(cfg, plan)
+    last = cyc.device_busy(cfg, plan, psm, _PLAIN, context=512)
+    for d in range(n):
+        busy = cyc.device_busy(cfg, plan, psm, _PLAIN, context=512, psm_device=d)
+        moved = [b - a for a, b in zip(last, busy)]  # the body left the last stage for stage d
+        if d < n - 1:
+            assert moved[d] > 0 and moved[-1] == pytest.approx(-moved[d]) and moved[:d] + moved[d + 1:-1] == [0] * (n - 2)
+    own = cyc.device_busy(cfg, plan, psm, _PLAIN, context=512, psm_device=n)
+    assert len(own) == n + 1 and own[n] < own[0]  # no layers: the body and two head shards
+    cc = cyc.cycle_costs(cfg, plan, psm, 512, psm_device=n)
+    assert cc.devices == n + 1 and cc.head_shard.params == -(-cfg.vocab_size // (n + 1)) * cfg.hidden_size + cfg.hidden_size
+    links = dataclasses.replace(_PLAIN, link_latency_s=1e-3)
+    assert cyc.comm_s(cc, links) == pytest.approx(8e-3)  # the same collectives, over n + 1 devices
+    with pytest.raises(ValueError, match="psm_device 5"):
+        cyc.device_busy(cfg, plan, psm, _PLAIN, context=512, psm_device=n + 1)
+    for own_ok in (False, True):
+        best, busy = cyc.best_psm_device(cfg, plan, psm, cyc.H200_NVLINK, 512, own=own_ok)
+        every = {d: cyc.predict(cfg, n, psm, cyc.H200_NVLINK, 512, S0=1.0, plan=plan, psm_device=d)["spd_cycle_s"]
+                 for d in range(n + own_ok)}
+        assert every[best] == pytest.approx(min(every.values())) and busy == cyc.device_busy(
+            cfg, plan, psm, cyc.H200_NVLINK, 512, psm_device=best)
+    assert cyc.best_psm_device(cfg, plan, psm, cyc.H200_NVLINK, 512)[0] in (2, 3)  # a short stage hosts it
+
+
 def test_fit_cpu_recovers_a_known_machine():
     cfg = ModelConfig.named("qwen3.5-0.8b")
     plan = StagePlan((7, 6, 6, 5))

@@ -94,18 +94,27 @@ class CycleCosts:
     psm_head_shard: LayerCost  # the same over one device's ceil(V' / n) rows
     hidden_bytes: int  # [H]: the hidden state that moves one stage per cycle, or is broadcast
     anchor_table_bytes: int  # the all-reduced anchor table [W = n + 2, m, H]
+    psm_device: int  # the device running the PSM body: a stage 0..n-1, or n (a device of its own)
 
     @property
     def n(self) -> int:
         return len(self.stages)
 
+    @property
+    def devices(self) -> int:
+        """Devices of the `stage` axis: the n stages, plus one when the PSM has its own."""
+        return self.n + (self.psm_device == self.n)
+
 
 def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, context: int, param_bytes: int = 2,
-                cache_bytes: int | None = None) -> CycleCosts:
+                cache_bytes: int | None = None, psm_device: int | None = None) -> CycleCosts:
     """The parts of one cycle of `plan` at position `context` (the KV cache length); psm_cfg: its
     num_layers, m and draft_vocab are read. Bytes in the model dtype: `param_bytes` per weight and
-    activation, `cache_bytes` (default: the same) per cache element."""
+    activation, `cache_bytes` (default: the same) per cache element. psm_device: the stage running
+    the PSM body (default the last), or plan.n for a device of its own (the heads then split n + 1 ways)."""
     cache_bytes = param_bytes if cache_bytes is None else cache_bytes
+    psm_device = check_psm_device(plan.n, psm_device)
+    D = plan.n + (psm_device == plan.n)
     n, H, m = plan.n, cfg.hidden_size, psm_cfg.m
     layers = layer_costs(cfg, context, param_bytes, cache_bytes)
     stages = tuple(tuple(layers[a:b]) for a, b in plan.bounds)
@@ -113,11 +122,20 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, context: 
     *body, psm_head = psm_costs(cfg, psm_cfg.num_layers, m, psm_cfg.draft_vocab, n + 1, context, param_bytes,
                                 cache_bytes)
     V_draft = psm_cfg.draft_vocab or cfg.vocab_size
-    psm_shard = head_cost(cfg, param_bytes, -(-V_draft // n))
+    psm_shard = head_cost(cfg, param_bytes, -(-V_draft // D))
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
-                      head_cost(cfg, param_bytes, -(-cfg.vocab_size // n)), tuple(body), psm_head,
+                      head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head,
                       dataclasses.replace(psm_shard, kind="psm_head", params=psm_shard.params - H),
-                      H * param_bytes, (n + 2) * m * H * param_bytes)
+                      H * param_bytes, (n + 2) * m * H * param_bytes, psm_device)
+
+
+def check_psm_device(n: int, psm_device: int | None) -> int:
+    """None -> the last stage; else a stage in [0, n) or n (a device of its own)."""
+    if psm_device is None:
+        return n - 1
+    if not 0 <= psm_device <= n:
+        raise ValueError(f"psm_device {psm_device}: a stage 0..{n - 1}, or {n} for a device of its own")
+    return int(psm_device)
 
 
 def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float]]:
@@ -125,7 +143,7 @@ def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float
     state's hop, the anchor table, with sharded heads two broadcasts of [H] (the verified token's and
     the draft's hidden state), and the choices' scalars."""
     _check_heads(heads)
-    if cc.n == 1:
+    if cc.devices == 1:
         return []
     out = [("ppermute", cc.hidden_bytes), ("all_reduce", cc.anchor_table_bytes)]
     if heads == "sharded":
@@ -135,7 +153,7 @@ def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float
 
 def comm_s(cc: CycleCosts, hw: Hardware, heads: str = "sharded") -> float:
     """Seconds of the collectives of one cycle (every device takes part)."""
-    return sum(hw.ppermute_s(b) if kind == "ppermute" else hw.all_reduce_s(b, cc.n)
+    return sum(hw.ppermute_s(b) if kind == "ppermute" else hw.all_reduce_s(b, cc.devices)
                for kind, b in collectives(cc, heads))
 
 
@@ -146,26 +164,28 @@ def _check_heads(heads: str) -> None:
 
 def _busy_s(cc: CycleCosts, hw: Hardware, heads: str) -> list[float]:
     """Each device's compute per cycle: its stage (the embedding runs inside stage 0's program, so no
-    launch of its own); the PSM body on the last stage; the heads (each its own part) on every device's
-    shard, or whole on the last stage."""
+    launch of its own); the PSM body on its device; the heads (each its own part) on every device's
+    shard, or whole on the last stage. [devices]: n, or n + 1 with the PSM on its own device."""
     _check_heads(heads)
-    busy = [hw.part_s(stage) for stage in cc.stages]
+    busy = [hw.part_s(stage) for stage in cc.stages] + [0.0] * (cc.devices - cc.n)
     busy[0] += cc.embed.seconds(hw.peak_flops_per_s, hw.mem_bytes_per_s)
-    busy[-1] += hw.part_s(cc.psm_body)
+    busy[cc.psm_device] += hw.part_s(cc.psm_body)
     if heads == "sharded":
         shards = hw.part_s([cc.head_shard]) + hw.part_s([cc.psm_head_shard])
         busy = [b + shards for b in busy]
     else:
-        busy[-1] += hw.part_s([cc.head]) + hw.part_s([cc.psm_head])
+        busy[cc.n - 1] += hw.part_s([cc.head])
+        busy[cc.psm_device] += hw.part_s([cc.psm_head])
     return busy
 
 
 def device_busy(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, hw: Hardware, context: int,
-                param_bytes: int = 2, heads: str = "sharded") -> list[float]:
-    """[n] seconds each device computes per SPD cycle: its stage, the PSM body on the last stage, and
-    the heads per `heads` (default "sharded", as the engine runs them; "last": both whole on the last
-    stage). Collectives excluded (`comm_s`: every device takes part in them)."""
-    return _busy_s(cycle_costs(cfg, plan, psm_cfg, context, param_bytes), hw, heads)
+                param_bytes: int = 2, heads: str = "sharded", psm_device: int | None = None) -> list[float]:
+    """[devices] seconds each device computes per SPD cycle: its stage, the PSM body on `psm_device`
+    (default the last stage; plan.n: its own device), and the heads per `heads` (default "sharded", as
+    the engine runs them; "last": both whole on the last stage). Collectives excluded (`comm_s`: every
+    device takes part in them)."""
+    return _busy_s(cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device), hw, heads)
 
 
 def imbalance(busy_s: Sequence[float]) -> float:
@@ -192,9 +212,28 @@ def device_aware_plan(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware
     return plan, device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
 
 
+def best_psm_device(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, hw: Hardware, context: int,
+                    param_bytes: int = 2, heads: str = "sharded", own: bool = False) -> tuple[int, list[float]]:
+    """Where the PSM body makes the shortest cycle (busiest device + collectives) -> (psm_device, [devices]
+    predicted busy seconds). Candidates: the n stages, and with own=True a device of its own (n + 1
+    devices); ties keep the last stage (the engine's placement before this option existed)."""
+    def cycle(d):
+        cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=d)
+        busy = _busy_s(cc, hw, heads)
+        return max(busy) + comm_s(cc, hw, heads), busy
+
+    best = plan.n - 1
+    best_t, best_busy = cycle(best)
+    for d in [*range(plan.n - 1), *([plan.n] if own else [])]:
+        t, busy = cycle(d)
+        if t < best_t * (1 - 1e-9):
+            best, best_t, best_busy = d, t, busy
+    return best, best_busy
+
+
 def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context: int, S0: float,
             plan: StagePlan | None = None, param_bytes: int = 2, alpha: float | None = None,
-            heads: str = "sharded") -> dict:
+            heads: str = "sharded", psm_device: int | None = None) -> dict:
     """Predicted seconds per step of each method on `hw`, and wall-clock speedups over `ar`.
 
     S0 = alpha * L / max(stage layers) of `plan` (what `spd` reports); alpha (tokens per cycle), when
@@ -204,7 +243,8 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
       [H] per layer, one for the vocabulary-sharded embedding and one scalar for the head's argmax;
     - pipeline: one token through the n stages in turn, n hops of [H] (the last back to stage 0), and
       the head (per `heads`: a shard after a broadcast of [H], with the argmax's max and min; or whole);
-    - spd: a cycle = the busiest device (`device_busy`) + the cycle's collectives (`comm_s`).
+    - spd: a cycle = the busiest device (`device_busy`, the PSM body on `psm_device`) + the cycle's
+      collectives (`comm_s`); with the PSM on its own device (psm_device = n) spd uses n + 1 devices.
     Speedups: spd = alpha * t_ar / t_cycle (alpha tokens per cycle; = S0 * t_ideal / t_cycle with
     t_ideal = t_ar * max(stage layers) / L), tp = t_ar / t_tp, pipeline = t_ar / t_pipeline."""
     _check_heads(heads)
@@ -213,15 +253,15 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
         raise ValueError(f"a plan of {plan.n} stages for n = {n}")
     if alpha is None:
         alpha = S0 * plan.max_layers / cfg.num_layers
-    cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes)
+    cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device)
     layers = [c for stage in cc.stages for c in stage]
     t_ar = hw.part_s([cc.embed, *layers, cc.head])
     compute = t_ar - hw.launch_s  # the roofline is linear in FLOPs and bytes: split n ways, 1/n of it
     t_tp = (compute / n + hw.launch_s + (2 * len(layers) + 1) * hw.all_reduce_s(cc.hidden_bytes, n)
             + hw.all_reduce_s(SCALAR_BYTES, n))
-    if heads == "sharded":
-        t_head = (hw.part_s([cc.head_shard]) + hw.all_reduce_s(cc.hidden_bytes, n)
-                  + 2 * hw.all_reduce_s(SCALAR_BYTES, n))
+    if heads == "sharded":  # the plain pipeline's n devices (no PSM device)
+        t_head = (hw.part_s([head_cost(cfg, param_bytes, -(-cfg.vocab_size // n))])
+                  + hw.all_reduce_s(cc.hidden_bytes, n) + 2 * hw.all_reduce_s(SCALAR_BYTES, n))
     else:
         t_head = hw.part_s([cc.head])
     t_pipe = (sum(hw.part_s(stage) for stage in cc.stages) + cc.embed.seconds(hw.peak_flops_per_s, hw.mem_bytes_per_s)
@@ -231,7 +271,8 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
     t_cycle = max(busy) + t_comm
     return dict(
         hardware=hw.name, projection=hw.projection, assumes=hw.assumes, n=n, stage_layers=list(plan.counts),
-        heads=heads, context=context, param_bytes=param_bytes, S0=alpha * cfg.num_layers / plan.max_layers,
+        heads=heads, psm_device=cc.psm_device, devices=cc.devices, context=context, param_bytes=param_bytes,
+        S0=alpha * cfg.num_layers / plan.max_layers,
         alpha=alpha, ar_step_s=t_ar, tp_step_s=t_tp, pipeline_token_s=t_pipe, spd_cycle_s=t_cycle,
         spd_comm_s=t_comm, device_busy_s=busy, imbalance=imbalance(busy),
         speedup_spd=alpha * t_ar / t_cycle, speedup_tp=t_ar / t_tp, speedup_pipeline=t_ar / t_pipe,
