@@ -10,8 +10,8 @@ Measures, in one run:
   pipeline_cycle_ms  the same for the plain pipeline (no PSM)
   ratio           spd_cycle_ms / ar_step_ms
 and the cycle profile (spd_jax.pipeline.profile): each stage, the PSM body, one vocabulary shard of
-the PSM head and of verification, the collectives. Per device, the busy time per cycle as the engine
-places the work (its stage and one shard of each head; the last stage also the PSM body): measured
+the PSM head and of verification, the collectives. Per device, the busy time per cycle with the PSM
+body on the last stage (`--psm-placement last`; its stage and one shard of each head): measured
 (each part timed on its own), and predicted by the cost model (spd_jax.pipeline.costs) fitted to this
 CPU, for the current stage plan and for the device-aware plan (an opt-in: pass its counts to
 `infer.generate --stages`; the shipped PSM is tied to the default plan); with max/mean imbalance.
@@ -22,7 +22,9 @@ core) or the parts' per-call dispatch, timed in the profile, is not paid inside 
 included) on three profiles: this CPU as fitted (as if each stage had its own such device), an
 H200-with-NVLink-like and a TPU-v5e-ICI-like one, with the heads whole on the last stage (the engine
 before vocabulary-parallel heads) and sharded (now), at --alpha-S0 (default 1.5; "measured": this run's,
-a random PSM's). Projections are not measurements; each states what it assumes.
+a random PSM's), and per profile the PSM body on the last stage, on the stage the cost model picks
+(the engine's default, `--psm-placement auto`) and on a device of its own (n + 1 devices).
+Projections are not measurements; each states what it assumes.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
 
     cfg, n = model.config, plan.n
     psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)  # what profile_cycle timed
-    # the engine's placement: every device its stage and one shard of each head; the last the PSM body
+    # every device its stage and one shard of each head; the PSM body on the last stage (psm_placement
+    # "last": the reference the placement table of the projections compares the others with)
     measured = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"]]
     measured[-1] += prof["psm_ms"]
     cpu_bytes = jnp.dtype(model.dtype).itemsize
@@ -159,6 +162,12 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
             # the same acceptance rate (alpha) on the other plan
             alt = costs.predict(cfg, n, psm_cfg, hw, context, S0, aware, pb, alpha=now["alpha"], heads=heads)
             rows[f"heads_{heads}"] = dict(current=now, device_aware=alt)
+        # where the PSM body runs (sharded heads, the current plan, the same alpha): the last stage, the
+        # stage the cost model picks (the engine's default), a device of its own (n + 1 devices)
+        best, _ = costs.best_psm_device(cfg, plan, psm_cfg, hw, context, pb)
+        rows["psm_placement"] = {name: costs.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, psm_device=d)
+                                 for name, d in (("last stage", n - 1), (f"stage {best} (auto)", best),
+                                                 (f"own device ({n + 1} devices)", n))}
         projections.append(dict(hardware=dataclasses.asdict(hw), **rows,
                                 label="fitted here; projection for n such devices in parallel" if not hw.projection
                                 else "projection: " + hw.assumes))
@@ -174,7 +183,8 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
 def print_device_report(res: dict) -> None:
     ms = lambda xs: " ".join(f"{x:6.2f}" for x in xs)  # noqa: E731
     b, cm = res["busy"], res["cost_model"]
-    print("busy per device per cycle (ms; stage + a shard of each head, the PSM body on the last; collectives apart):")
+    print("busy per device per cycle (ms; stage + a shard of each head, the PSM body on the last stage; collectives "
+          "apart):")
     print(f"  measured            {ms(b['measured_ms'])}   max/mean {b['measured_imbalance']:.2f}")
     for key in ("current", "device_aware"):
         p = cm["predicted"][key]
@@ -194,6 +204,9 @@ def print_device_report(res: dict) -> None:
                 print(f"    heads {heads:7s} {tag:12s} {str(r['stage_layers']):26s} spd {r['speedup_spd']:5.2f}  tp "
                       f"{r['speedup_tp']:5.2f}  pipeline {r['speedup_pipeline']:5.2f}  (ar {1e6 * r['ar_step_s']:.0f} "
                       f"us, cycle {1e6 * r['spd_cycle_s']:.0f} us, max/mean {r['imbalance']:.2f})")
+        for name, r in pr["psm_placement"].items():
+            print(f"    PSM on {name:26s} spd {r['speedup_spd']:5.2f}  (cycle {1e6 * r['spd_cycle_s']:.0f} us, "
+                  f"max/mean {r['imbalance']:.2f})")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,27 @@ def test_greedy_equals_autoregressive(deep, reference, n, stage_layers, method):
     _check_lossless(deep, reference, n, stage_layers, method)
 
 
+@pytest.mark.parametrize("placement", [0, "own"])
+def test_psm_placement_is_lossless(deep, reference, placement):
+    """The PSM body on the first stage, or on a device of its own (n + 1 devices, no layers, its shards
+    of the heads): greedy commits the `ar` tokens, and sampling the very draws of the PSM on the last
+    stage (each draw is the unsharded rule's, whatever the devices)."""
+    if deep.config.linear is not None and placement != "own":
+        pytest.skip("the placement logic does not depend on the layer kinds: one Qwen3.5 case")
+    n = 4
+    res = spd_jax.generate(deep, PROMPT, 24, stop_at_eos=False, method="spd", n=n, psm_layers=1, psm_placement=placement)
+    assert res.token_ids == reference and res.stats["rejected"] > 0
+    assert res.stats["psm_device"] == (n if placement == "own" else 0)
+    assert res.stats["devices"] == (n + 1 if placement == "own" else n)
+    if deep.config.linear is None:
+        kw = dict(stop_at_eos=False, method="spd", n=n, psm_layers=1, temperature=1.0, top_k=20, seed=3)
+        here = spd_jax.generate(deep, PROMPT, 24, psm_placement=placement, **kw)
+        last = spd_jax.generate(deep, PROMPT, 24, psm_placement="last", **kw)
+        assert here.token_ids == last.token_ids and here.stats["accepted"] == last.stats["accepted"]
+    with pytest.raises(ValueError, match="psm placement 9"):
+        spd_jax.generate(deep, PROMPT, 4, method="spd", n=n, psm_layers=1, psm_placement=9)
+
+
 @pytest.mark.parametrize("n,stage_layers,method", [(3, [2, 5, 1], "spd"), (4, None, "pipeline")])
 def test_greedy_equals_autoregressive_qwen3(tiny_ckpt, n, stage_layers, method):
     """Qwen3 shares Llama's code path but for q/k norms and head_dim: a few cases cover it."""

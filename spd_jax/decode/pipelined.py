@@ -74,17 +74,42 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
     return cfg, variables, "given"
 
 
+PSM_PLACEMENTS = ("auto", "last", "own")  # or a stage index
+
+
+def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int:
+    """Where the PSM body runs -> a stage 0..n-1, or n (a device of its own: n + 1 devices).
+    placement: "auto" (the stage the cost model predicts makes the shortest cycle, on a profile like
+    this backend's accelerators; the same device count), "last", "own", or a stage index."""
+    n = plan.n
+    if placement == "last":
+        return n - 1
+    if placement == "own":
+        return n
+    if placement == "auto":
+        from spd_jax.pipeline import costs
+
+        hw = costs.TPU_V5E_ICI if jax.default_backend() == "tpu" else costs.H200_NVLINK
+        return costs.best_psm_device(model.config, plan, psm_cfg, hw, context=1024,
+                                     param_bytes=jnp.dtype(model.dtype).itemsize)[0]
+    if isinstance(placement, (int, np.integer)) and not isinstance(placement, bool) and 0 <= placement < n:
+        return int(placement)
+    raise ValueError(f"psm placement {placement!r}: one of {', '.join(PSM_PLACEMENTS)}, or a stage index 0..{n - 1}")
+
+
 def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
                        n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str | None = None,
-                       oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True):
+                       oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
+                       psm_placement="auto"):
     cfg = model.config
     plan = plan_for(model, n, stage_layers)
-    mesh = stage_mesh(plan.n)
     drafter = drafter or ("none" if method == "pipeline" else "psm")
     psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan, spec, psm_layers) if drafter == "psm"
                                     else (None, {}, None))
+    psm_device = psm_device_for(model, plan, psm_cfg, psm_placement) if psm_cfg else plan.n - 1
     anchors = psm_cfg.anchors if psm_cfg else (0,)
-    layout = stages.StageLayout.of(cfg, plan, anchors)
+    layout = stages.StageLayout.of(cfg, plan, anchors, devices=plan.n + (psm_device == plan.n))
+    mesh = stage_mesh(layout.devices)
 
     P_ = int(prompt.size)
     p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
@@ -93,7 +118,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(cfg).items()))
     rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
 
-    key = ("stage_weights", plan, anchors)
+    key = ("stage_weights", layout)
     if key not in model.runtime:
         for old in [k for k in model.runtime if k[0] == "stage_weights"]:
             del model.runtime[old]  # one placement at a time: stage weights are a copy of the layers
@@ -108,9 +133,9 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     caches = put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
     if psm_cfg:
         pc = init_kv_cache(cfg, psm_cfg.num_layers, 1, cache_len, model.dtype)
-        psm_cache = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (plan.n, *t.shape)), pc), st)
+        psm_cache = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)), pc), st)
     else:
-        psm_cache = put(jnp.zeros((plan.n, 1), model.dtype), st)
+        psm_cache = put(jnp.zeros((layout.devices, 1), model.dtype), st)
     if psm_label != "given":
         # replicated once per (PSM, mesh), not on every call
         pkey = ("psm_on_mesh", psm_label, psm_cfg, tuple(d.id for d in mesh.devices.flat))
@@ -136,7 +161,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
-    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len)
+    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
     events = cache_events()
     exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))
@@ -159,7 +184,8 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         accepted=int(accepted), rejected=int(rejected),
         wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
-        backend=jax.default_backend(), devices=plan.n, processes=jax.process_count(),
+        backend=jax.default_backend(), devices=layout.devices, processes=jax.process_count(),
+        psm_device=psm_device if psm_cfg else None,
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
                          "inter-stage transfers and all-reduces, the device-to-host copy of the result"
                          + (f" (over {jax.process_count()} processes: the transfers and all-reduces cross them, "

@@ -8,7 +8,11 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
   broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary (the head
   weights stay replicated; each stage reads its rows);
-- the PSM's layers run on the last stage (`lax.cond`), its head on every stage's shard; greedy choice,
+- the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`, by default the one the cost
+  model finds least busy, `pipeline.costs.best_psm_device`) or a device of its own (n + 1 devices, the
+  paper's set-up; that device holds no layers, only its shards of the heads). Either way the draft
+  starts from the states at the start of the cycle, not after that cycle's stage work. Its head runs
+  on every device's shard; greedy choice,
   sampling draws and the accept/replace decision come out of collectives over `stage` that move
   scalars (plus each shard's k best logits under a top-k filter), so they are identical everywhere;
   the draft distributions q that sampling verification needs stay on the shard that made them;
@@ -66,7 +70,7 @@ class StageCarry(NamedTuple):
 
     x: jax.Array  # [1, 1, H] the hidden state entering this stage next cycle
     cache: Any  # this stage's layer caches
-    pcache: Any  # the PSM's KV cache (used on the last stage)
+    pcache: Any  # the PSM's KV cache (used on the PSM's device)
     qring: jax.Array  # [n, rows] this stage's shard of q for each in-flight draft (sampling with the PSM)
 
 
@@ -81,10 +85,24 @@ class EngineConfig:
     top_k_cap: int  # 0 = no top-k; else a power of two >= top_k: the candidates a top-k filter gathers per shard
     prompt_pad: int
     cache_len: int
+    psm_device: int | None = None  # the PSM body's device: a stage 0..n-1 (None: the last) or n (its own)
+
+    def __post_init__(self):
+        if not 0 <= self.psm_dev <= self.n or (self.psm_dev == self.n) != (self.layout.devices == self.n + 1):
+            raise ValueError(f"psm_device {self.psm_device} with {self.layout.devices} devices for {self.n} stages: "
+                             f"a stage 0..{self.n - 1}, or {self.n} (its own device) with a layout of n + 1 devices")
 
     @property
     def n(self) -> int:
         return self.layout.plan.n
+
+    @property
+    def devices(self) -> int:
+        return self.layout.devices
+
+    @property
+    def psm_dev(self) -> int:
+        return self.n - 1 if self.psm_device is None else self.psm_device
 
 
 def build(ec: EngineConfig, mesh):
@@ -110,9 +128,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             eos_ids, sp, ref):
     cfg, lay, n = ec.cfg, ec.layout, ec.n
     last, m, H, S, Pp = n - 1, len(lay.anchors), cfg.hidden_size, ec.cache_len, ec.prompt_pad
+    D = ec.devices  # n, or n + 1 with the PSM on its own device (which runs no layers)
     W = n + 2  # anchor-table ring over positions; > the n + 1 positions a cycle can touch
     s = jax.lax.axis_index(STAGE)
-    is_last = s == last
+    is_psm = s == ec.psm_dev
     w = jax.tree.map(lambda t: t[0], stage_w)
     pr = jax.tree.map(lambda t: t[0], prog)
     cache = jax.tree.map(lambda t: t[0], caches)
@@ -133,7 +152,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     # ---------------- the heads, one vocabulary shard per stage (decode.vocab): target logits of rows
     # [start, start + rows) from the final hidden state broadcast by the last stage
     V = cfg.vocab_size
-    vs = vocab.Shards(V, n)
+    vs = vocab.Shards(V, D)
     ids_v, own_v = vs.ids(s), vs.own(s)
     head = decoder.lm_head(shared, cfg)
 
@@ -179,7 +198,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             # the PSM's rows meet its (per-stage) cache inside its layer scan: cast to that type first
             return module.apply(psm_vars, vary(jnp.moveaxis(anc_all[:, 0], 0, 1), STAGE), pc, method=PSM.prefill)
 
-        pcache = jax.lax.cond(is_last, psm_prefill, lambda pc: pc, pcache)
+        pcache = jax.lax.cond(is_psm, psm_prefill, lambda pc: pc, pcache)
 
     positions = jnp.arange(S)
     seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
@@ -196,11 +215,11 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
     if use_psm:  # the PSM's head rows (its draft vocabulary's, or the whole vocabulary's), sharded the same way
         tok_ids = module.apply(psm_vars, method=PSM.token_ids)  # [V'] token id of each head row
-        qs = vocab.Shards(tok_ids.shape[0], n)
+        qs = vocab.Shards(tok_ids.shape[0], D)
         rows_q, own_q = qs.ids(s), qs.own(s)
 
     def draft_psm(st, loc):
-        """The draft for t + 1: the PSM body on the last stage, its head and the choice over the stages.
+        """The draft for t + 1: the PSM body on its device, its head and the choice over every device.
         -> (draft token, PSM cache, q ring with this stage's shard of q for t + 1 when sampling)."""
         t, pc = st.t, st.psm_len
         rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
@@ -211,9 +230,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
                 decoder.embed(shared, st.seq[jnp.clip(rows_pos, 0, S - 1)][None])[0])
             return module.apply(psm_vars, vary(h, STAGE), pcache, pc, t, st.completed, method=PSM.draft_hidden)
 
-        x_d, pcache = jax.lax.cond(is_last, body, lambda a: (vary(jnp.zeros((H,), emb.dtype), STAGE), a[1]),
+        x_d, pcache = jax.lax.cond(is_psm, body, lambda a: (vary(jnp.zeros((H,), emb.dtype), STAGE), a[1]),
                                    (st, loc.pcache))
-        logits = jnp.where(own_q, module.apply(psm_vars, bcast(x_d), shared["final_norm"], qs.start(s), qs.rows,
+        h_d = bcast(x_d, ec.psm_dev)  # [H], the PSM device's
+        logits = jnp.where(own_q, module.apply(psm_vars, h_d, shared["final_norm"], qs.start(s), qs.rows,
                                                method=PSM.head_logits), -jnp.inf)  # [rows_q]
         if ec.greedy:
             return vocab.argmax(logits, tok_ids[rows_q], STAGE), pcache, loc.qring
@@ -222,10 +242,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
                               V, STAGE)
         q = vocab.softmax(warped, STAGE)  # over this stage's head rows
         if ec.psm.draft_vocab:  # head rows -> this stage's target-vocabulary shard (V' values cross, not V)
-            every = jax.lax.all_gather(q, STAGE)  # [n, rows_q]
-            row_of = jnp.stack([qs.ids(r) for r in range(n)])
+            every = jax.lax.all_gather(q, STAGE)  # [D, rows_q]
+            row_of = jnp.stack([qs.ids(r) for r in range(D)])
             q_rows = jnp.zeros(tok_ids.shape, q.dtype).at[row_of].add(
-                jnp.where(jnp.stack([qs.own(r) for r in range(n)]), every, 0.0))
+                jnp.where(jnp.stack([qs.own(r) for r in range(D)]), every, 0.0))
             at = tok_ids - vs.start(s)  # position in this stage's target-vocabulary shard
             mine = (at >= 0) & (at < vs.rows) & (tok_ids >= s * vs.rows)
             q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
@@ -264,7 +284,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             draft = jnp.int32(0)
 
         # 2. every stage advances its token
-        pos_s, valid_s = t - s, valid[s]
+        # a PSM device of its own (s == n) holds no stage: never valid
+        pos_s, valid_s = t - s, (s < n) & valid[jnp.minimum(s, n - 1)]
         x_in = jnp.where(s == 0, decoder.embed(shared, seq[t].reshape(1, 1)), loc.x)
         x_out, cache, anc = jax.lax.cond(
             valid_s,

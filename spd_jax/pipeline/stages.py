@@ -6,7 +6,8 @@ fewer layers), where that layer sits in the stage's stack of that kind, and whic
 its output is. So uneven splits and Qwen3.5's mixed layer kinds need no special program: each device
 indexes its own weights, and `lax.switch` picks the kind at run time.
 
-Layout (leading axis n = stages, sharded over `stage`):
+Layout (leading axis n = stages, sharded over `stage`; with the PSM on a device of its own, n + 1 rows,
+the last one a device without layers: every slot empty, zero-size work):
     weights  {kind: [n, max layers of that kind in a stage, ...]}   (zero padded)
     caches   Cache(kv [n, max_attn, B, Nkv, S, D], linear ring [n, max_linear, R, ...])
     program  kind_id / kind_index / anchor_id [n, J] int32
@@ -37,9 +38,11 @@ class StageLayout:
     plan: StagePlan
     max_per_kind: tuple[tuple[str, int], ...]  # (kind, max layers of that kind in one stage)
     anchors: tuple[int, ...]
+    devices: int  # rows of every stage stack: plan.n, or plan.n + 1 with the PSM on a device of its own
 
     @classmethod
-    def of(cls, cfg: ModelConfig, plan: StagePlan, anchors: tuple[int, ...]) -> "StageLayout":
+    def of(cls, cfg: ModelConfig, plan: StagePlan, anchors: tuple[int, ...],
+           devices: int | None = None) -> "StageLayout":
         if plan.num_layers != cfg.num_layers:
             raise ValueError(f"stage plan covers {plan.num_layers} layers, the model has {cfg.num_layers}")
         mx = []
@@ -47,7 +50,10 @@ class StageLayout:
             m = max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds)
             if m:
                 mx.append((kind, m))
-        return cls(plan, tuple(mx), anchors)
+        devices = plan.n if devices is None else devices
+        if devices not in (plan.n, plan.n + 1):
+            raise ValueError(f"{devices} devices for {plan.n} stages: n, or n + 1 with the PSM on its own device")
+        return cls(plan, tuple(mx), anchors, devices)
 
     @property
     def slots(self) -> int:
@@ -60,7 +66,7 @@ class StageLayout:
 def program(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
     """Per-stage slot tables [n, J]: kind_id (0 attention, 1 linear, 2 empty), kind_index (position
     in the stage's stack of that kind) and anchor_id (a if the slot's output is h_{b_a}, else -1)."""
-    n, J = layout.plan.n, layout.slots
+    n, J = layout.devices, layout.slots
     kind_id = np.full((n, J), len(KINDS), np.int32)
     kind_index = np.zeros((n, J), np.int32)
     anchor_id = np.full((n, J), -1, np.int32)
@@ -81,7 +87,7 @@ def stage_layer_ids(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarr
     a zero-padded slot. The one statement of which device holds which layer."""
     out = {}
     for kind, mx in layout.max_per_kind:
-        ids = np.full((layout.plan.n, mx), -1, np.int32)
+        ids = np.full((layout.devices, mx), -1, np.int32)
         for s, (a, b) in enumerate(layout.plan.bounds):
             mine = [i for i in range(a, b) if cfg.layer_types[i] == kind]
             ids[s, :len(mine)] = mine
@@ -123,8 +129,8 @@ def load_stage_weights(reader, cfg: ModelConfig, layout: StageLayout, placement,
 
 def init_stage_caches(cfg: ModelConfig, layout: StageLayout, batch: int, max_len: int, ring: int,
                       dtype) -> decoder.Cache:
-    """Caches of every stage, leading axis n."""
-    n = layout.plan.n
+    """Caches of every stage, leading axis n (layout.devices)."""
+    n = layout.devices
     kinds = tuple(k for k, m in layout.max_per_kind for _ in range(m))
     one = decoder.init_cache(cfg, batch, max_len, dtype, ring=ring, kinds=kinds)
     return jax.tree.map(lambda t: jnp.broadcast_to(t, (n, *t.shape)), one)
