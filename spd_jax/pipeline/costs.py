@@ -200,16 +200,19 @@ def default_plan(cfg: ModelConfig, n: int) -> StagePlan:
 
 
 def device_aware_plan(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context: int,
-                      param_bytes: int = 2, heads: str = "sharded") -> tuple[StagePlan, list[float]]:
+                      param_bytes: int = 2, heads: str = "sharded",
+                      psm_device: int | None = None) -> tuple[StagePlan, list[float]]:
     """The stage plan minimising the busiest device's time per cycle, counting each device's fixed work
-    (the embedding on stage 0, the PSM body on the last, the heads per `heads`, each part's launch)
-    next to its layers -> (plan, [n] predicted busy seconds per device). An opt-in (`infer.generate
+    (the embedding on stage 0, the PSM body on `psm_device` (default the last stage; n: its own device,
+    whose busy time no plan changes), the heads per `heads`, each part's launch) next to its layers
+    -> (plan, [devices] predicted busy seconds per device). An opt-in (`infer.generate
     --stages`): a trained PSM is tied to the plan it was trained on, so the default stays `default_plan`."""
-    cc = cycle_costs(cfg, default_plan(cfg, n), psm_cfg, context, param_bytes)
+    cc = cycle_costs(cfg, default_plan(cfg, n), psm_cfg, context, param_bytes, psm_device=psm_device)
     layer_s = [c.seconds(hw.peak_flops_per_s, hw.mem_bytes_per_s) for stage in cc.stages for c in stage]
     no_layers = dataclasses.replace(cc, stages=tuple(() for _ in range(n)))
-    plan = balanced(layer_s, n, extra=_busy_s(no_layers, hw, heads))  # the fixed work alone, launches included
-    return plan, device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
+    fixed = _busy_s(no_layers, hw, heads)  # the fixed work alone, launches included; [n] (+ a PSM device)
+    plan = balanced(layer_s, n, extra=fixed[:n])
+    return plan, device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads, psm_device)
 
 
 def best_psm_device(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, hw: Hardware, context: int,
