@@ -1,6 +1,8 @@
 """PSM training on tiny models and 8 CPU devices: the loss falls, meshes agree, checkpoints restore
 bit-exactly, a resumed run retraces an uninterrupted one, mismatched PSMs are refused, ShareGPT's
-truncated file is read to its last whole record; and the CLI end to end on the real model."""
+truncated file is read to its last whole record; the EAGLE-3 method through the same step (its loss
+falls, its quick eval and export work, a run is not resumed as the other method); and the CLI end to
+end on the real model."""
 
 import json
 import subprocess
@@ -15,6 +17,7 @@ import pytest
 import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.sharding import data_model_mesh, parse_mesh
+from spd_jax.drafters import eagle3
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
 from train import loop
 from tolerances import CACHED_VS_FULL, assert_close
@@ -187,6 +190,82 @@ def test_mismatched_psm_is_refused(llama, tiny_ckpt):
         check_spec(spec, other.config, (2, 2, 2, 2))
 
 
+def test_eagle3_trains_through_the_same_step(llama, tmp_path):
+    """method=eagle3: the training-time-test loss falls through `loop.make_step` (the same optimiser and
+    batches as the PSM's), metrics carry the first step's agreement and per-step agreement, the quick
+    eval measures tokens per round, and the export loads and decodes exactly `ar`'s tokens."""
+    tc = loop.TrainConfig(model=str(llama.path), method="eagle3", ttt_steps=3, eval_k=3, buckets=(48,), max_len=48,
+                          batch_size=8, warmup=5, steps=30, lr=3e-3, eval_tokens=12)
+    spec = loop.drafter_spec(llama, tc)
+    assert isinstance(spec, eagle3.Eagle3Config) and loop.export_name(spec) == "drafter"
+    opt = loop.make_optimizer(tc)
+    state, frozen = loop.init_state(llama, spec, tc, opt)
+    step = loop.make_step(llama.config, spec, tc, opt, data_model_mesh(2, 1))
+    batches = loop.Batches(_corpus(llama.config.vocab_size), tc)
+    losses = []
+    for i in range(20):
+        batch = batches.get(i)
+        state, met = step(state, frozen, llama.params, batch)
+        losses.append(float(met["loss"]))
+        assert float(met["positions"]) == batch["mask"].sum()  # response positions: the data seen
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+    assert met["agreement_by_step"].shape == (3,) and float(met["agreement"]) == float(met["agreement_by_step"][0])
+
+    variables = loop.join_params(state["params"], frozen)
+    prompts = [ids[:12] for ids, _ in _corpus(llama.config.vocab_size, n=2, seed=1)]
+    ev = loop.quick_eval(llama, spec, variables, prompts, tc)
+    # a repeated phrase: the trained drafter's drafts are accepted
+    assert ev["eval_k"] == 3 and ev["tokens_per_round"] == ev["eval_tokens"] / ev["eval_rounds"] > 1
+    loop.save_drafter(tmp_path / "drafter", variables, spec, dict(trained=dict(method="eagle3", steps=20)))
+    meta = json.loads((tmp_path / "drafter" / "eagle3.json").read_text())
+    assert meta["head"] == "shared" and meta["trained"]["method"] == "eagle3"
+    want = spd_jax.generate(llama, prompts[1], 16, stop_at_eos=False).token_ids
+    res = spd_jax.generate(llama, prompts[1], 16, method="eagle3", k=3, drafter_spec=str(tmp_path / "drafter"),
+                           stop_at_eos=False)
+    assert res.token_ids == want and res.stats["drafter_spec"] == str(tmp_path / "drafter")
+    # the export is the trained drafter: the same drafts accepted as with the weights in memory
+    here = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), variables)
+    mem = spd_jax.generate(llama, prompts[1], 16, method="eagle3", k=3, drafter_spec=(spec, here), stop_at_eos=False)
+    assert (mem.stats["accepted"], mem.stats["rounds"]) == (res.stats["accepted"], res.stats["rounds"])
+
+
+def test_resume_refuses_another_method(llama):
+    """The run identity holds the method: a PSM run is not resumed as an EAGLE-3 one (nor the reverse);
+    a run.json written before the method switch is a PSM run."""
+    psm_tc, psm_spec, _ = _setup(llama)
+    e3_tc = loop.TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3"))
+    psm_id = json.loads(json.dumps(loop.run_identity(llama, psm_spec, psm_tc)))
+    e3_id = json.loads(json.dumps(loop.run_identity(llama, loop.drafter_spec(llama, e3_tc), e3_tc)))
+    assert psm_id["method"] == "psm" and e3_id["method"] == "eagle3"
+    loop.check_resume(psm_id, psm_id)
+    loop.check_resume(e3_id, e3_id)
+    old = {k: v for k, v in psm_id.items() if k != "method"}  # an older run.json
+    loop.check_resume(old, psm_id)
+    with pytest.raises(ValueError, match="it trained method 'psm'; this config trains method 'eagle3'"):
+        loop.check_resume(old, e3_id)
+    with pytest.raises(ValueError, match="it trained method 'eagle3'; this config trains method 'psm'"):
+        loop.check_resume(e3_id, psm_id)
+    other = loop.TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3", feature_layers="1,4,6"))
+    with pytest.raises(ValueError, match="was trained for"):
+        loop.check_resume(e3_id, json.loads(json.dumps(loop.run_identity(llama, loop.drafter_spec(llama, other),
+                                                                          other))))
+    with pytest.raises(ValueError, match="method must be one of psm, eagle3"):
+        loop.TrainConfig.from_dict(dict(method="medusa"))
+
+
+def test_eagle3_config_matches_the_psm_data():
+    """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
+    positions mean equal data."""
+    import yaml
+
+    same = ("model", "sources", "limit", "max_len", "buckets", "batch_size", "grad_accum", "steps", "lr", "warmup",
+            "weight_decay", "clip", "tau", "seed", "heldout", "draft_vocab")
+    psm = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-n8.yaml").read_text()))
+    e3 = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-eagle3.yaml").read_text()))
+    assert e3.method == "eagle3" and psm.method == "psm"
+    assert {k: getattr(e3, k) for k in same} == {k: getattr(psm, k) for k in same}
+
+
 def test_sharegpt_reads_to_the_last_whole_record(tmp_path):
     recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
             for i in range(4)]
@@ -229,3 +308,30 @@ def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
     assert spec.draft_vocab == 4096 and v["vocab"]["ids"].shape == (4096,)
     # SmolLM2 ties its head: the draft vocabulary's rows of the embedding
     assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])
+
+
+@pytest.mark.real_model
+def test_cli_trains_eagle3(smollm2, tmp_path):
+    """train.main with method=eagle3 (configs/train/smollm2-eagle3.yaml): metrics with the first step's
+    agreement and tokens per round, the exported drafter (bf16, the target's head shared) loads for
+    SmolLM2, and the run refuses to be resumed as a PSM run."""
+    out = tmp_path / "run"
+    common = [sys.executable, "-m", "train.main", "--config", str(ROOT / "configs/train/smollm2-eagle3.yaml"),
+              "--mesh", "1x1", "--out", str(out), "sources=[gsm8k]", "limit=48", "buckets=[192]", "max_len=192",
+              "batch_size=2", "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=2", "heldout=4",
+              "log_every=1", "draft_vocab=4096"]
+    env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run(common + ["--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3] and len(rows[0]["agreement_by_step"]) == 3
+    assert rows[-1]["eval_k"] == 3 and rows[-1]["tokens_per_round"] >= 1 and (out / "curves.png").is_file()
+    assert json.loads((out / "run.json").read_text())["identity"]["method"] == "eagle3"
+    meta = json.loads((out / "drafter" / "eagle3.json").read_text())
+    assert meta["trained"]["method"] == "eagle3" and meta["trained"]["positions"] == rows[-1]["positions"]
+    spec, v = eagle3.load_eagle3(out / "drafter", smollm2.config, smollm2.params)
+    assert spec.layers == (2, 15, 27) and spec.draft_vocab == 4096
+    assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])
+    r = subprocess.run(common + ["method=psm", "--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode != 0 and "it trained method 'eagle3'; this config trains method 'psm'" in r.stderr

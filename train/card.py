@@ -1,11 +1,12 @@
-"""python -m train.card: a trained PSM's model card from its training run and its evaluation.
+"""python -m train.card: a trained drafter's model card from its training run and its evaluation.
 
     python -m train.card --run runs/smollm2-n8 --eval runs/eval-n8 --psm spd_jax/psms/smollm2-135m-instruct-n8
+    python -m train.card --run runs/smollm2-eagle3 --eval runs/eval --drafter spd_jax/eagle3s/smollm2-135m-instruct
 
 Reads RUN/run.json (identity, config, the commands that trained it), RUN/metrics.jsonl (loss,
-agreement, quick-eval S0 against training positions), the exported PSM's psm.json and EVAL/results.jsonl
-(`infer.evaluate` rows), and writes PSM/CARD.md and PSM/curves.png (the learning curves). Every figure
-in the card comes from those files.
+agreement, quick-eval S0 or tokens per round against training positions), the exported drafter's
+psm.json or eagle3.json and EVAL/results.jsonl (`infer.evaluate` rows), and writes DRAFTER/CARD.md and
+DRAFTER/curves.png (the learning curves). Every figure in the card comes from those files.
 """
 
 from __future__ import annotations
@@ -69,28 +70,88 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
     return "\n".join(lines)
 
 
+def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list[dict], eval_cmd: str,
+                         size_mb: float) -> str:
+    """The card of an EAGLE-3-style drafter (eagle3.json): as `card_markdown`, with tokens per target
+    pass (verification round) in place of alpha / S0, and the table's eagle3 rows (ar's for reference)."""
+    trained, cfg = meta.get("trained", {}), run["config"]
+    if not metrics:
+        raise ValueError("the run's metrics.jsonl is empty: train at least log_every steps first")
+    last = metrics[-10:]
+    loss = sum(r["loss"] for r in last) / len(last)
+    agree = sum(r["agreement"] for r in last) / len(last)
+    evals = [r for r in metrics if "tokens_per_round" in r]
+    target = meta["target"]
+    lines = [
+        f"# EAGLE-3-style drafter for {Path(run['identity']['model']).name}", "",
+        "A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3.py`), the baseline SPD is compared "
+        f"with: the target's hidden states {meta['layers']} (low, mid, high) fused by one linear layer, one "
+        "decoder layer of the target's attention kind, its own final norm and the target's LM head "
+        + (f"over a draft vocabulary of {meta['draft_vocab']} tokens" if meta.get("draft_vocab") else
+           f"(its whole vocabulary, {target[3]} tokens)")
+        + f". Weights bfloat16, {size_mb:.1f} MB; the LM head is the target's (frozen in training, not stored). "
+        "Decoding: k drafts per round, one target pass over k + 1 positions, the longest verified prefix plus "
+        "the target's token (`python -m infer.generate --mode eagle3 --k 3 --drafter DIR`).",
+        "", "## Training", "",
+        "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
+        "and data position):", "", "```", *run.get("commands", []), "```", "",
+        f"- data: {', '.join(cfg.get('sources', []))} (chat template, loss on response tokens only, conversations "
+        f"up to {cfg.get('max_len')} tokens), the same batches as the PSM's at equal positions; never MT-Bench, "
+        "GSM8K test or HumanEval prompts",
+        f"- objective: KL(teacher || drafter) at tau = 1 over {trained.get('ttt_steps', cfg.get('ttt_steps'))} "
+        f"unrolled draft steps (the training-time test); AdamW lr {cfg.get('lr')}, warm-up {cfg.get('warmup')}, "
+        f"batch {cfg.get('batch_size')} sequences, clip {cfg.get('clip')}",
+        f"- steps {trained.get('steps')}, response positions seen **{trained.get('positions', 0):,}**, wall time "
+        f"{trained.get('wall_s', 0) / 3600:.2f} h on {trained.get('backend')} (mesh {trained.get('mesh')})",
+        f"- last 10 logged steps: KL per unrolled step {loss:.3f}, top-1 agreement of the first draft step with "
+        f"the target {agree:.3f}",
+        "", "Quick eval during training (greedy chain decoding on held-out training prompts, pooled):", "",
+        "| step | positions | k | tokens per round |", "|---|---|---|---|",
+        *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
+          for r in evals],
+        "", "![learning curves](curves.png)", "",
+        "## Evaluation", "", "```", eval_cmd, "```", "",
+        "Greedy (T = 0) unless stated, first turns, chat template; tokens per round = committed tokens per target "
+        "pass (the chain's theoretical speedup), pooled over prompts as sum(tokens) / sum(rounds).", "",
+        "| bench | method | k | T | prompts | tokens | tokens per round | tok/s here | vs ar here |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        if t["method"] not in ("eagle3", "ar"):
+            continue
+        ratio = f"{t['speed_vs_ar']:.2f}x" if t.get("speed_vs_ar") else "-"
+        lines.append(f"| {t['bench']} | {t['method']} | {t.get('k') or '-'} | {t['temperature']:g} | {t['prompts']} | "
+                     f"{t['tokens']} | {t['alpha']:.3f} | {t['tokens_per_s']:.1f} | {ratio} |")
+    lines += ["", "tok/s are measured on the machine named above (one device per run); tokens per round is the "
+              "device-independent figure.", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.card", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="the training run's --out directory")
     ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory for this PSM")
-    ap.add_argument("--psm", required=True, help="the exported PSM directory the card goes into")
+    ap.add_argument("--psm", "--drafter", dest="psm", required=True,
+                    help="the exported drafter directory the card goes into (a PSM's psm/ or an EAGLE-3 drafter/)")
     ap.add_argument("--eval-command", default="", help="the infer.evaluate command that produced --eval")
     args = ap.parse_args(argv)
     from infer.evaluate import pooled
 
     run_dir, eval_dir, psm_dir = Path(args.run), Path(args.eval), Path(args.psm)
-    for p in (run_dir / "run.json", run_dir / "metrics.jsonl", eval_dir / "results.jsonl", psm_dir / "psm.json"):
+    meta_file = psm_dir / ("eagle3.json" if (psm_dir / "eagle3.json").is_file() else "psm.json")
+    for p in (run_dir / "run.json", run_dir / "metrics.jsonl", eval_dir / "results.jsonl", meta_file):
         if not p.is_file():
             print(f"error: {p} not found", file=sys.stderr)
             return 2
     run = json.loads((run_dir / "run.json").read_text())
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    psm = json.loads((psm_dir / "psm.json").read_text())
+    psm = json.loads(meta_file.read_text())
     rows = [json.loads(x) for x in (eval_dir / "results.jsonl").read_text().splitlines() if x.strip()]
     if (run_dir / "curves.png").is_file():
         shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
     try:
-        text = card_markdown(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
+        write = eagle3_card_markdown if meta_file.name == "eagle3.json" else card_markdown
+        text = write(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,15 @@
-"""PSM training: the config, the data order, the jitted step, orbax checkpoints and the quick eval.
+"""Drafter training: the config, the data order, the jitted step, orbax checkpoints and the quick eval.
+
+Two methods share everything here but the loss, the drafter's variables and the quick eval
+(`TrainConfig.method`): "psm", the Pipeline Speculation Module, and "eagle3", the EAGLE-3-style chain
+drafter (`spd_jax.drafters.eagle3`), so both see the same data, batches, optimiser and positions.
 
 The target is frozen and teacher-forced: one forward gives every anchor state and the teacher logits;
 the PSM's draft logits come from `PSM.train_logits`, the exact training counterpart of the engine's
 per-cycle draft (tests/test_psm_train.py). Loss: KL(teacher || PSM) at temperature tau, times tau^2,
-averaged over positions whose next token is a response token; top-1 agreement is logged.
+averaged over positions whose next token is a response token; top-1 agreement is logged. The EAGLE-3
+drafter's loss is `eagle3.eagle3_loss` (the same KL over `ttt_steps` unrolled draft steps, its
+training-time test); its logged agreement is the first step's.
 
 Batches are [B, T] with B sequences padded to one of a few length buckets (one compiled shape each),
 sharded over the mesh's `data` axis; the frozen target is split over `model`, the PSM replicated.
@@ -31,14 +37,19 @@ from jax.sharding import PartitionSpec as P
 
 from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
+from spd_jax.drafters import eagle3
+from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, psm_axes, sample_fill
 
 log = logging.getLogger(__name__)
+
+METHODS = ("psm", "eagle3")  # what train.main trains: `method` in the config
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: str = "smollm2-135m-instruct"
+    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. layers_from_target are the PSM's
     n: int = 8  # pipeline depth the PSM is trained for
     stages: tuple[int, ...] | None = None  # per-stage layer counts; default: what infer.generate plans
     psm_layers: int = 2
@@ -47,7 +58,12 @@ class TrainConfig:
     # V': head over the V' most frequent response tokens of the training data (0: the whole vocabulary);
     # the loss is then the KL of the teacher restricted (renormalised) to them
     draft_vocab: int = 0
-    init_from: str | None = None  # warm start from an exported PSM (same target, n, plan, anchors)
+    init_from: str | None = None  # warm start from an exported drafter (PSM: same target, n, plan, anchors)
+    # eagle3: the target's hidden states it fuses (default EAGLE-3's low/mid/high), the draft steps the
+    # training-time test unrolls, the chain length of its quick eval
+    feature_layers: tuple[int, ...] | None = None
+    ttt_steps: int = 3
+    eval_k: int = 3
     sources: tuple[str, ...] = ("sharegpt", "gsm8k")
     limit: int | None = None  # conversations per source (small runs and tests)
     max_len: int = 512  # longer conversations keep only the whole turns that fit
@@ -80,7 +96,7 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training config keys {unknown}; known: {sorted(names)}")
         d = dict(d)
-        for k in ("stages", "anchors", "sources", "buckets"):
+        for k in ("stages", "anchors", "sources", "buckets", "feature_layers"):
             if d.get(k) is not None:
                 v = d[k]
                 d[k] = tuple(v.split(",") if isinstance(v, str) else v)
@@ -93,6 +109,10 @@ class TrainConfig:
                 except (TypeError, ValueError):
                     raise ValueError(f"training config {f.name}={d[f.name]!r} is not a {type(f.default).__name__}")
         cfg = cls(**d)
+        if cfg.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
+        if cfg.ttt_steps < 1 or cfg.eval_k < 1:
+            raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
         return cfg
@@ -205,18 +225,37 @@ class Batches:
         return dict(tokens=tokens, mask=mask)
 
 
-# ---------------------------------------------------------------- the step
+# ---------------------------------------------------------------- the drafter and its loss
+
+Spec = PSMConfig | Eagle3Config  # what a run trains; its type is the method
+
+
+def drafter_spec(model, tc: TrainConfig) -> Spec:
+    """The drafter a run trains: an EAGLE-3 drafter (feature layers, draft vocabulary), or a PSM for the
+    stage plan `infer.generate` makes at n (or tc.stages) with tc's layers and anchors."""
+    if tc.method == "eagle3":
+        return Eagle3Config.for_target(model.config, tc.feature_layers, tc.draft_vocab)
+    from spd_jax.decode import pipelined
+
+    plan = pipelined.plan_for(model, tc.n, tc.stages)
+    return PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors, tc.draft_vocab)
+
+
+def export_name(spec: Spec) -> str:
+    """The run directory's subdirectory the trained drafter is exported to."""
+    return "drafter" if isinstance(spec, Eagle3Config) else "psm"
+
 
 def split_params(variables: dict) -> tuple[dict, dict]:
-    """PSM variables -> (trainable params, frozen variables): the LM head is the target's (its draft
-    vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
+    """Drafter variables (PSM or EAGLE-3) -> (trainable params, frozen variables): the LM head is the
+    target's (its draft vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
     p = dict(variables["params"])
     head = p.pop("lm_head")
     return p, {**variables, "params": {"lm_head": head}}
 
 
 def join_params(trainable: dict, frozen: dict) -> dict:
-    """The inverse of `split_params`: PSM variables."""
+    """The inverse of `split_params`: the drafter's variables."""
     return {**frozen, "params": {**trainable, **frozen["params"]}}
 
 
@@ -268,8 +307,28 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     return optax.MultiSteps(opt, tc.grad_accum) if tc.grad_accum > 1 else opt
 
 
-def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
+def loss_fn(cfg, spec: Spec, tc: TrainConfig):
+    """The method's loss with its settings bound: (trainable, frozen, target, batch, keys) -> (loss sum,
+    metric sums): `psm_loss`, or `eagle3.eagle3_loss` unrolling tc.ttt_steps draft steps."""
+    if isinstance(spec, Eagle3Config):
+        return functools.partial(eagle3.eagle3_loss, cfg=cfg, spec=spec, tau=tc.tau, steps=tc.ttt_steps)
+    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau)
+
+
+def frozen_axes(cfg, spec: Spec) -> dict:
+    """The logical axes of the frozen variables `split_params` leaves (the shared head, vocabulary ids)."""
+    axes = eagle3.eagle3_axes(cfg, spec) if isinstance(spec, Eagle3Config) else psm_axes(cfg, spec)
+    return split_params(axes)[1]
+
+
+def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     """-> jitted step(state, frozen, target, batch) -> (state, metrics); state = {params, opt, step}.
+
+    loss(trainable, frozen, target, batch, keys) -> (loss sum over the batch, sums) is the method's
+    (default `loss_fn(cfg, spec, tc)`); sums: kl_sum, positions (the normaliser: the gradient and the
+    logged loss are per position), agree_sum with agree_positions (its denominator; default positions),
+    optionally agree_by_step / positions_by_step (per unrolled draft step). Logged `positions` are the
+    batch's response positions (its mask), whatever the method, so runs compare at equal data.
 
     One program over the `data x model` mesh, partitioned by XLA (GSPMD) from the shardings of its
     inputs under `TRAIN_RULES`: the batch is split over `data`; the frozen target is split over `model`
@@ -284,7 +343,7 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
     program on 8x1 and 1x1, and Llama on 4x2, run); tests/test_train_loop.py keeps that case out.
     The PSM's frozen head follows the same rules (a full-vocabulary head split over `model` like the
     target's; a draft vocabulary's rows replicated)."""
-    grad_fn = jax.value_and_grad(functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau), has_aux=True)
+    grad_fn = jax.value_and_grad(loss or loss_fn(cfg, spec, tc), has_aux=True)
 
     def step(state, frozen, target, batch):
         B = batch["tokens"].shape[0]
@@ -296,12 +355,15 @@ def make_step(cfg, spec: PSMConfig, tc: TrainConfig, opt, mesh):
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(loss=sums["kl_sum"] / count, agreement=sums["agree_sum"] / count,
-                       positions=sums["positions"], grad_norm=optax.tree.norm(grads))
+        agree_count = jnp.maximum(sums.get("agree_positions", sums["positions"]), 1.0)
+        metrics = dict(loss=sums["kl_sum"] / count, agreement=sums["agree_sum"] / agree_count,
+                       positions=jnp.sum(batch["mask"], dtype=jnp.float32), grad_norm=optax.tree.norm(grads))
+        if "agree_by_step" in sums:
+            metrics["agreement_by_step"] = sums["agree_by_step"] / jnp.maximum(sums["positions_by_step"], 1.0)
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
     rep = NamedSharding(mesh, P())
-    frozen = tree_shardings(split_params(psm_axes(cfg, spec))[1], mesh, TRAIN_RULES, schema.axis_units(cfg))
+    frozen = tree_shardings(frozen_axes(cfg, spec), mesh, TRAIN_RULES, schema.axis_units(cfg))
     return jax.jit(step, in_shardings=(rep, frozen, target_shardings(cfg, mesh), batch_sharding(mesh)),
                    out_shardings=(rep, rep), donate_argnums=(0,))
 
@@ -316,7 +378,18 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch",), TRAIN_RULES))
 
 
-def init_state(model, spec: PSMConfig, tc: TrainConfig, opt, vocab_ids=None) -> tuple[dict, dict]:
+def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None) -> tuple[dict, dict]:
+    """-> (state {params, opt, step}, frozen variables) of a new run: the drafter's initial weights (or
+    tc.init_from's), their optimiser state, step 0."""
+    if isinstance(spec, Eagle3Config):
+        variables = eagle3.init_eagle3(model.config, spec, model.params, seed=tc.seed, vocab_ids=vocab_ids)
+        if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
+            _, warm = eagle3.load_eagle3(tc.init_from, model.config, model.params, jnp.float32, spec.layers)
+            for k, w in warm["params"].items():
+                if k != "lm_head":
+                    variables["params"][k] = jax.tree.map(lambda a: jnp.array(a, copy=True), w)
+        trainable, frozen = split_params(variables)
+        return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
     variables = init_psm(model.config, spec, model.params, seed=tc.seed,
                          layers_from_target=tc.layers_from_target, vocab_ids=vocab_ids)
     if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
@@ -363,11 +436,44 @@ class Checkpoints:
         return out["state"], out["meta"]
 
 
-def run_identity(model, spec: PSMConfig, tc: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed or used."""
+def run_identity(model, spec: Spec, tc: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed or used: the method, the drafter's spec, the target."""
+    if isinstance(spec, Eagle3Config):
+        return dict(method="eagle3", spec=eagle3.spec_to_json(spec), model=str(model.path))
     from spd_jax.drafters.psm import spec_to_json
 
-    return dict(spec=spec_to_json(spec), model=str(model.path), psm_layers=tc.psm_layers)
+    return dict(method="psm", spec=spec_to_json(spec), model=str(model.path), psm_layers=tc.psm_layers)
+
+
+def check_resume(was: dict, identity: dict) -> None:
+    """Refuse to resume a run (`was`: the identity its run.json holds) as another one (`identity`, as
+    JSON): another method, drafter spec or target raises ValueError naming both. Runs written before
+    the method switch trained a PSM; PSM specs written before a field existed have its default."""
+    was = dict(was)
+    was.setdefault("method", "psm")
+    if was["method"] != identity["method"]:
+        raise ValueError(f"it trained method {was['method']!r}; this config trains method {identity['method']!r} "
+                         "(set method=... to match, or use a new --out)")
+    if was["method"] == "psm":
+        from spd_jax.drafters.psm import spec_from_json, spec_to_json
+
+        was["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["spec"]))))
+    if was != identity:
+        raise ValueError(f"it was trained for {was}, not {identity}")
+
+
+def save_drafter(path: Path, variables: dict, spec: Spec, extra: dict) -> None:
+    """Export trained variables to a new directory without the LM head (the target's, shared, which the
+    loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: a PSM
+    through `save_psm`, an EAGLE-3 drafter through `eagle3.save_eagle3`."""
+    variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
+    extra = dict(extra, head="shared")
+    if isinstance(spec, Eagle3Config):
+        eagle3.save_eagle3(path, variables, spec, extra)
+    else:
+        from spd_jax.drafters.psm import save_psm
+
+        save_psm(path, variables, spec, extra)
 
 
 # ---------------------------------------------------------------- quick eval and curves
@@ -383,13 +489,33 @@ def eval_prompts(heldout: list, tc: TrainConfig, max_prompt: int = 120) -> list[
     return out[:tc.eval_prompts]
 
 
-def quick_eval(model, spec: PSMConfig, variables: dict, prompts: list[np.ndarray], tc: TrainConfig) -> dict:
-    """alpha and S0 of greedy SPD with this PSM at its n, pooled over the prompts as
-    sum(tokens) / sum(cycles) (the paper's convention)."""
+def eval_metric(spec: Spec) -> str:
+    """The quick eval's headline figure: S0 (PSM) or tokens_per_round (EAGLE-3: tokens per target pass)."""
+    return "tokens_per_round" if isinstance(spec, Eagle3Config) else "S0"
+
+
+def quick_eval(model, spec: Spec, variables: dict, prompts: list[np.ndarray], tc: TrainConfig) -> dict:
+    """Greedy decoding with the drafter on the held-out prompts, pooled over them as sum / sum (the
+    paper's convention). PSM: alpha and S0 of SPD at its n (sum(tokens) / sum(cycles)). EAGLE-3:
+    tokens_per_round of chain decoding with k = tc.eval_k on one device (sum(tokens) / sum(rounds):
+    tokens per target pass, its S0)."""
     import spd_jax
 
     if not prompts:
         return {}
+    if isinstance(spec, Eagle3Config):
+        from spd_jax.distributed import to_host
+
+        # the state is replicated over the training mesh; the chain runs on this process's default device
+        local = jax.tree.map(lambda a: jnp.asarray(to_host(a)), variables)
+        tokens = rounds = 0
+        for ids in prompts:
+            res = spd_jax.generate(model, ids, tc.eval_tokens, method="eagle3", k=tc.eval_k, drafter_spec=(spec, local),
+                                   stop_at_eos=False)
+            tokens += res.stats["tokens"]
+            rounds += res.stats["rounds"]
+        return dict(tokens_per_round=tokens / rounds if rounds else float("nan"), eval_tokens=tokens,
+                    eval_rounds=rounds, eval_k=tc.eval_k)
     tokens = cycles = 0
     for ids in prompts:
         res = spd_jax.generate(model, ids, tc.eval_tokens, method="spd", n=spec.n, stage_layers=spec.plan,
@@ -401,7 +527,8 @@ def quick_eval(model, spec: PSMConfig, variables: dict, prompts: list[np.ndarray
 
 
 def plot_curves(metrics_path: Path, png: Path) -> None:
-    """Loss, agreement and S0 against training positions."""
+    """Loss, agreement and the quick eval (S0, or an EAGLE-3 drafter's tokens per round) against
+    training positions."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -412,13 +539,18 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
         return
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     pos = [r["positions"] for r in rows]
+    chain = any("tokens_per_round" in r or "agreement_by_step" in r for r in rows)
     ax[0].plot(pos, [r["loss"] for r in rows])
-    ax[0].set(title="KL(teacher || PSM)", xlabel="training positions", yscale="log")
+    ax[0].set(title="KL(teacher || drafter) per unrolled step" if chain else "KL(teacher || PSM)",
+              xlabel="training positions", yscale="log")
     ax[1].plot(pos, [r["agreement"] for r in rows])
-    ax[1].set(title="top-1 agreement (train batches)", xlabel="training positions")
-    ev = [r for r in rows if "S0" in r]
-    ax[2].plot([r["positions"] for r in ev], [r["S0"] for r in ev], "o-")
-    ax[2].set(title="S0 on held-out prompts (greedy)", xlabel="training positions")
+    ax[1].set(title="top-1 agreement (train, 1st draft step)" if chain else "top-1 agreement (train batches)",
+              xlabel="training positions")
+    key = "tokens_per_round" if chain else "S0"
+    ev = [r for r in rows if key in r]
+    ax[2].plot([r["positions"] for r in ev], [r[key] for r in ev], "o-")
+    ax[2].set(title=f"tokens/round, chain k={ev[0].get('eval_k', '?') if ev else '?'}, held-out (greedy)" if chain
+              else "S0 on held-out prompts (greedy)", xlabel="training positions")
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,12 +1,15 @@
-"""Train a Pipeline Speculation Module for a frozen target.
+"""Train a drafter for a frozen target: a Pipeline Speculation Module, or the EAGLE-3-style baseline.
 
     python -m train.main --config configs/train/smollm2-n8.yaml [--mesh 8x1] [--steps N] [--out DIR]
                          [--resume] [key=value ...]
+    python -m train.main --config configs/train/smollm2-eagle3.yaml ...     # method: eagle3
 
 --mesh DxM: D-way data parallel x M-way model parallel over the devices (on a CPU-only machine the
 command sets up that many host devices itself). key=value overrides any config key (e.g. n=4,
-batch_size=16, stages=3,3,4,4). Writes to --out: orbax checkpoints (ckpt/), metrics.jsonl, run.json,
-curves.png and, at the end, the trained PSM (psm/) that `infer.generate --spec` reads.
+batch_size=16, stages=3,3,4,4, method=eagle3). Both methods take the same data, batches, optimiser and
+checkpoints. Writes to --out: orbax checkpoints (ckpt/), metrics.jsonl, run.json, curves.png and, at
+the end, the trained drafter: psm/ (`infer.generate --spec`) or, for eagle3, drafter/
+(`infer.generate --mode eagle3 --drafter`).
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ def main(argv=None) -> int:
     data, model_par = parse_mesh(args.mesh)
     cluster = distributed.cluster_from(args)
     if cluster is None:
-        # The quick eval runs the SPD engine: n stage devices besides the training mesh's.
-        request_cpu_devices(max(data * model_par, int(raw.get("n", 8))))
+        # A PSM's quick eval runs the SPD engine: n stage devices besides the training mesh's (an EAGLE-3
+        # drafter's runs the chain on one device).
+        eval_devices = 1 if raw.get("method", "psm") == "eagle3" else int(raw.get("n", 8))
+        request_cpu_devices(max(data * model_par, eval_devices))
     else:  # the training mesh spans every process's devices (the quick eval runs when n of them exist)
         distributed.initialize(cluster, distributed.local_device_count(cluster, data * model_par))
     leader = cluster is None or distributed.is_leader()
@@ -85,20 +90,21 @@ def main(argv=None) -> int:
     import spd_jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from spd_jax.decode import pipelined
     from spd_jax.sharding import data_model_mesh, put
-    from spd_jax.drafters.psm import PSMConfig, save_psm
     from train import loop
 
-    tc = loop.TrainConfig.from_dict(raw)
+    try:
+        tc = loop.TrainConfig.from_dict(raw)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     if tc.batch_size % data:
         raise SystemExit(f"error: batch_size {tc.batch_size} does not split over {data} data-parallel devices")
     out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
     mesh = data_model_mesh(data, model_par)
 
     model = spd_jax.load_model(tc.model)
-    plan = pipelined.plan_for(model, tc.n, tc.stages)
-    spec = PSMConfig.for_target(model.config, plan.counts, tc.psm_layers, tc.anchors, tc.draft_vocab)
+    spec = loop.drafter_spec(model, tc)
+    eagle = tc.method == "eagle3"
     identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
     if cluster is not None and jax.device_count() != data * model_par:
@@ -111,13 +117,10 @@ def main(argv=None) -> int:
     if args.resume:
         if ckpts.latest() is None:
             raise SystemExit(f"error: --resume: no checkpoint in {out / 'ckpt'}")
-        was = json.loads((out / "run.json").read_text())
-        from spd_jax.drafters.psm import spec_from_json, spec_to_json
-
-        # runs written before a spec field existed: its default
-        was["identity"]["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["identity"]["spec"]))))
-        if was["identity"] != identity:
-            raise SystemExit(f"error: --resume: {out} was trained for {was['identity']}, not {identity}")
+        try:
+            loop.check_resume(json.loads((out / "run.json").read_text())["identity"], identity)
+        except ValueError as e:
+            raise SystemExit(f"error: --resume: {out}: {e}")
     if leader:
         out.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["python -m train.main", *argv])
@@ -125,9 +128,14 @@ def main(argv=None) -> int:
         run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count(),
                    commands=run.get("commands", []) + [cmd])
         (out / "run.json").write_text(json.dumps(run, indent=1))
-    log.info("PSM for %s: n=%d, stages %s, anchors %s, staircase %s, Ls=%d; mesh %dx%d on %s",
-             model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
-             data, model_par, jax.default_backend())
+    if eagle:
+        log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
+                 "mesh %dx%d on %s", model.path.name, list(spec.layers), tc.ttt_steps, tc.eval_k, data, model_par,
+                 jax.default_backend())
+    else:
+        log.info("PSM for %s: n=%d, stages %s, anchors %s, staircase %s, Ls=%d; mesh %dx%d on %s",
+                 model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
+                 data, model_par, jax.default_backend())
 
     cache_dir = Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
     corpus = loop.encode_corpus(model, tc, cache_dir)
@@ -159,7 +167,8 @@ def main(argv=None) -> int:
         _truncate_metrics(metrics_path, start)
 
     eval_prompts = loop.eval_prompts(heldout, tc)
-    if jax.device_count() < spec.n:
+    key = loop.eval_metric(spec)  # the quick eval's headline: S0, or tokens_per_round
+    if not eagle and jax.device_count() < spec.n:
         log.info("quick eval off: it runs the SPD engine on n=%d stage devices, the job has %d", spec.n,
                  jax.device_count())
         eval_prompts = []
@@ -169,36 +178,42 @@ def main(argv=None) -> int:
         for micro in range(tc.grad_accum):
             batch = put(batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
             state, met = step_fn(state, frozen, target, batch)
-        met = {k: float(v) for k, v in met.items()}
+        met = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in v] for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
         wall = wall0 + time.perf_counter() - t_start
         done = step + 1
-        row = dict(step=done, positions=positions, wall_s=round(wall, 2), **{k: met[k] for k in ("loss", "agreement",
-                                                                                                  "grad_norm")})
+        row = dict(step=done, positions=positions, wall_s=round(wall, 2),
+                   **{k: met[k] for k in ("loss", "agreement", "agreement_by_step", "grad_norm") if k in met})
         if done % tc.eval_every == 0 or done == tc.steps:
             row |= loop.quick_eval(model, spec, _variables(state, frozen), eval_prompts, tc)
-        if leader and (done % tc.log_every == 0 or "S0" in row or done == tc.steps):
+        if leader and (done % tc.log_every == 0 or key in row or done == tc.steps):
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         bar.set_postfix(loss=f"{met['loss']:.3f}", agree=f"{met['agreement']:.3f}",
-                        pos_s=f"{positions / max(wall, 1e-9):.0f}", **({"S0": f"{row['S0']:.2f}"} if "S0" in row else {}))
+                        pos_s=f"{positions / max(wall, 1e-9):.0f}", **({key: f"{row[key]:.2f}"} if key in row else {}))
         if done % tc.save_every == 0 or done == tc.steps:
             ckpts.save(done, state, dict(positions=positions, wall_s=wall))
 
     variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
                              _variables(state, frozen))
-    final = out / "psm"
+    final = out / loop.export_name(spec)
     if leader and final.exists():
         import shutil
         shutil.rmtree(final)
-    distributed.barrier("psm export")  # no process looks for the directory before it is gone
-    save_psm(final, {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}, spec,
-             extra=dict(head="shared", trained=dict(steps=tc.steps, positions=positions,
-                                                    wall_s=round(wall0 + time.perf_counter() - t_start, 1),
-                                                    mesh=args.mesh, backend=jax.default_backend(), config=raw)))
+    distributed.barrier("drafter export")  # no process looks for the directory before it is gone
+    trained = dict(method=tc.method, steps=tc.steps, positions=positions,
+                   wall_s=round(wall0 + time.perf_counter() - t_start, 1), mesh=args.mesh,
+                   backend=jax.default_backend(), config=raw)
+    if eagle:
+        trained.update(ttt_steps=tc.ttt_steps)
+    loop.save_drafter(final, variables, spec, dict(trained=trained))
     if leader:
         loop.plot_curves(metrics_path, out / "curves.png")
-    log.info("trained PSM written to %s (use: python -m infer.generate --n %d --spec %s)", final, spec.n, final)
+    if eagle:
+        log.info("trained EAGLE-3 drafter written to %s (use: python -m infer.generate --mode eagle3 --k %d "
+                 "--drafter %s)", final, tc.eval_k, final)
+    else:
+        log.info("trained PSM written to %s (use: python -m infer.generate --n %d --spec %s)", final, spec.n, final)
     return 0
 
 

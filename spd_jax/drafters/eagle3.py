@@ -15,6 +15,7 @@ t (position t + i) attends to the step-0 rows at positions <= t and to the rows 
 so what is trained is what `Eagle3Drafter.propose` computes (tests/test_chain.py checks it).
 
 Checkpoints are orbax + `eagle3.json` naming the target and the feature layers; a mismatch is refused.
+A drafter trained for a default model ships under `spd_jax/eagle3s/<model>/` (`shipped_eagle3`).
 This module holds the drafter's network, its loss and its checkpoints; the loop is `decode.chain`.
 """
 
@@ -41,6 +42,14 @@ from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
 
 FORMAT = 1  # eagle3.json layout version
 KIND = "eagle3"
+# Trained drafters shipped with the package, one directory per default model: "<model>/".
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "eagle3s"
+
+
+def shipped_eagle3(model_name: str | None) -> Path | None:
+    """The trained EAGLE-3 drafter shipped for a known default model, if there is one."""
+    p = SHIPPED_DIR / str(model_name)
+    return p if model_name and (p / "eagle3.json").is_file() else None
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -303,8 +312,10 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
     token); keys: unused (no simulated randomness), accepted so a training step calls either loss alike.
     Step i's row at index t predicts the token at t + i + 2, i.e. matches the teacher's logits at
     position t + i + 1, weighted by mask[t + i + 1]; KL(teacher || drafter) at temperature tau, times
-    tau^2, summed over the steps, each step weighted alike. metrics: kl_sum, agree_sum (the draft's
-    argmax equals the unrestricted teacher's), positions (the weights' sum over steps)."""
+    tau^2, summed over the steps, each step weighted alike. metrics: kl_sum; positions (the weights' sum
+    over steps: the loss's normaliser); agree_sum and agree_positions, the first step's agreement (its
+    argmax equals the unrestricted teacher's) and weight: what the chain's first draft gets right;
+    agree_by_step and positions_by_step [steps], the same per unrolled step."""
     del keys
     tokens, mask = batch["tokens"], batch["mask"]
     B, T = tokens.shape
@@ -319,7 +330,8 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
     student = Eagle3(cfg, spec).apply(variables, feats, jax.lax.stop_gradient(emb), steps,
                                       method=Eagle3.train_logits)  # [steps, B, T, V']
     ids = variables["vocab"]["ids"] if spec.draft_vocab else None
-    kl_sum = agree_sum = positions = jnp.float32(0.0)
+    kl_sum = jnp.float32(0.0)
+    agree, weight = [], []
     for i in range(steps):
         shift = lambda a: jnp.pad(a, [(0, 0), (0, 1 + i)] + [(0, 0)] * (a.ndim - 2))[:, 1 + i:]  # noqa: E731  a[t+1+i]
         t_logits, w = shift(teacher), shift(mask).astype(jnp.float32)
@@ -331,9 +343,11 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
         logq = jax.nn.log_softmax(student[i] / tau)
         kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
         kl_sum += (kl * w).sum()
-        agree_sum += ((jnp.argmax(t_logits, -1) == drafted) * w).sum()
-        positions += w.sum()
-    return kl_sum, dict(kl_sum=kl_sum, agree_sum=agree_sum, positions=positions)
+        agree.append(((jnp.argmax(t_logits, -1) == drafted) * w).sum())
+        weight.append(w.sum())
+    agree, weight = jnp.stack(agree), jnp.stack(weight)
+    return kl_sum, dict(kl_sum=kl_sum, positions=weight.sum(), agree_sum=agree[0], agree_positions=weight[0],
+                        agree_by_step=agree, positions_by_step=weight)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -413,6 +427,9 @@ def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=j
     abstract = jax.eval_shape(lambda: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab)))
     if shared:
         del abstract["params"]["lm_head"]
+    # onto this process's first device, whatever mesh the trainer saved from (the chain runs on one device)
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
     variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
     if spec.draft_vocab:
         check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
