@@ -66,13 +66,23 @@ def parse_ids(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {s!r}")
 
 
+def _placement(v: str):
+    if v in ("auto", "last", "own"):
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--psm-placement takes auto, last, own or a stage index, got {v!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
-    ap.add_argument("--mode", choices=["ar", "tp", "pipeline", "spd"], default="spd",
+    ap.add_argument("--mode", choices=["ar", "tp", "pipeline", "spd", "eagle3"], default="spd",
                     help="spd: speculative pipeline decoding; pipeline: the same n stages, one token in flight; "
-                         "tp: autoregressive, tensor-parallel over n devices; ar: plain autoregressive on one device")
+                         "tp: autoregressive, tensor-parallel over n devices; ar: plain autoregressive on one device; "
+                         "eagle3: chain speculative decoding on one device with the EAGLE-3-style drafter")
     ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
                                                      "width (tp)")
     ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
@@ -82,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--random-psm", action="store_true",
                     help="spd with a randomly initialised PSM (lossless, few drafts accepted: for testing)")
     ap.add_argument("--psm-layers", type=int, default=2, help="decoder layers of a random PSM")
+    ap.add_argument("--psm-placement", type=_placement, default="auto",
+                    help="where the PSM body runs (spd): auto (the stage the cost model predicts makes the shortest "
+                         "cycle), last, a stage index, or own (a device of its own: n + 1 devices)")
+    ap.add_argument("--k", type=int, default=3, help="eagle3: drafts per verification round (chain length)")
+    ap.add_argument("--drafter", default=None,
+                    help="eagle3: an EAGLE-3 drafter checkpoint directory (train.main method=eagle3), or 'random' "
+                         "(default: the drafter shipped for the default model, else a random one)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
@@ -123,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.processes is not None and args.mode == "ar":
-        print("error: --mode ar runs on one device in one process; --processes is for tp, pipeline and spd",
+    if args.processes is not None and args.mode in ("ar", "eagle3"):
+        print(f"error: --mode {args.mode} runs on one device in one process; --processes is for tp, pipeline and spd",
               file=sys.stderr)
         return 2
     if distributed.launching(args):
@@ -132,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # On a CPU-only host the n stages are n host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.
-        cluster = distributed.setup(args, args.n if args.mode != "ar" else 1)
+        # a PSM on its own device: one device more than the stages
+        devices = args.n + (args.mode == "spd" and args.psm_placement == "own")
+        cluster = distributed.setup(args, devices if args.mode not in ("ar", "eagle3") else 1)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -151,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         elif cluster is not None:  # each process reads only its own stages' layers
             from spd_jax.sharding import STAGE_RULES, stage_mesh
 
-            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=stage_mesh(args.n), rules=STAGE_RULES)
+            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=stage_mesh(devices), rules=STAGE_RULES)
         else:
             model = spd_jax.load_model(args.model, dtype=args.dtype)
         if args.prompt_ids is not None:
@@ -168,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
                                    stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
-                                   n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers)
+                                   n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
+                                   psm_placement=args.psm_placement,
+                                   **(dict(k=args.k, drafter_spec=args.drafter) if args.mode == "eagle3" else {}))
             out_text = model.decode(res.token_ids)
             if not leader:
                 continue
@@ -181,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(out_text, end="")
                 detail = (f"decode {s['decode_tokens_per_s']:.1f} tok/s on {s['devices']} device(s)"
                           if args.mode in ("ar", "tp") else
+                          f"k={s['k']}, {s['rounds']} rounds, {s['tokens_per_round']:.3f} tokens/round, accepted "
+                          f"{s['accepted']}, rejected {s['rejected']}, drafter {s['drafter_spec']}"
+                          if args.mode == "eagle3" else
                           f"n={s['n']} stages {s['stage_layers']}, alpha {s['alpha']:.3f}, S0 {s['S0']:.2f}, "
                           f"accepted {s['accepted']}, rejected {s['rejected']}, PSM {s['psm']}")
                 print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "

@@ -157,6 +157,56 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
     return Model(cfg, params, tokenizer, path, reader)
 
 
+_random_eagle3_noted: list[bool] = []
+
+
+def resolve_eagle3(model: Model, drafter_spec=None):
+    """drafter_spec: None (the EAGLE-3 drafter shipped for this default model, `spd_jax/eagle3s/<model>/`,
+    else a random one, announced once), "random" (seed 0), a checkpoint directory (`save_eagle3`; one
+    for another target is refused) or (Eagle3Config, variables). -> (config, variables in the model's
+    dtype, label)."""
+    from spd_jax.drafters import eagle3
+
+    if isinstance(drafter_spec, str) and drafter_spec == "random":
+        drafter_spec = None
+    elif drafter_spec is None:
+        drafter_spec = eagle3.shipped_eagle3(defaults.canonical_name(model.path.name))
+    if drafter_spec is None:
+        spec = eagle3.Eagle3Config.for_target(model.config)
+        if not _random_eagle3_noted:  # once per process, not once per call
+            _random_eagle3_noted.append(True)
+            log.warning("eagle3: no drafter checkpoint given (--drafter); using a randomly initialised EAGLE-3 "
+                        "drafter. Output is still exactly the target's, but few drafts will be accepted.")
+        key = ("random_eagle3", spec)
+        if key not in model.runtime:
+            model.runtime[key] = eagle3.init_eagle3(model.config, spec, model.params, 0, model.dtype)
+        return spec, model.runtime[key], "random"
+    if isinstance(drafter_spec, (str, Path)):
+        key = ("eagle3_checkpoint", str(Path(drafter_spec).absolute()))
+        if key not in model.runtime:
+            model.runtime[key] = eagle3.load_eagle3(drafter_spec, model.config, model.params, model.dtype)
+        spec, variables = model.runtime[key]
+        return spec, variables, str(drafter_spec)
+    spec, variables = drafter_spec
+    eagle3.check_spec(spec, model.config, "(given)")
+    cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return spec, jax.tree.map(cast, variables), "given"
+
+
+def _generate_eagle3(model: Model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, k: int,
+                     drafter_spec, stop_at_eos: bool) -> tuple[list[int], dict]:
+    from spd_jax.decode.chain import generate_chain
+    from spd_jax.drafters.eagle3 import Eagle3Drafter, drafter_params
+
+    spec, variables, label = resolve_eagle3(model, drafter_spec)
+    tokens, stats = generate_chain(model, prompt, max_new_tokens, Eagle3Drafter(model.config, spec, k),
+                                   drafter_params(variables, model.params), sp, stop_at_eos)
+    eos = set(model.eos_token_ids) if stop_at_eos else set()
+    stats.update(method="eagle3", drafter_spec=label, stopped_at_eos=bool(tokens and tokens[-1] in eos),
+                 backend=jax.default_backend(), devices=1, processes=1)
+    return tokens, stats
+
+
 @dataclasses.dataclass
 class GenerateResult:
     token_ids: list[int]  # generated tokens only (the EOS token included when it stopped there)
@@ -168,7 +218,7 @@ class GenerateResult:
 _compiled = CompileCache()
 
 
-METHODS = ("ar", "tp", "pipeline", "spd")
+METHODS = ("ar", "tp", "pipeline", "spd", "eagle3")
 
 
 def tp_runtime(model: Model, n: int):
@@ -194,7 +244,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
              stop_at_eos: bool = True, max_len: int | None = None,
              stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
              spec=None, psm_layers: int = 2, drafter: str | None = None,
-             oracle_tokens: Sequence[int] | None = None) -> GenerateResult:
+             oracle_tokens: Sequence[int] | None = None, psm_placement="auto",
+             k: int = 3, drafter_spec=None) -> GenerateResult:
     """Generate a continuation of one prompt.
 
     prompt_ids: the prompt's token ids. max_len: the context limit (default: the model's
@@ -204,7 +255,12 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
     stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: the PSM
     shipped for a default model at this n, else a random one; "random": an untrained PSM), psm_layers
-    (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests).
+    (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests),
+    psm_placement (where the PSM body runs: "auto", the stage the cost model finds fastest; "last"; a
+    stage index; or "own", a device of its own, n + 1 devices in all).
+    "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
+    k drafts per round, one target pass over k + 1 positions; drafter_spec: its checkpoint directory
+    (None: the one shipped for a default model, else a random one; "random"; or (Eagle3Config, variables)).
     Returns the generated ids and stats (tokens, timings and what they include).
     """
     if method not in METHODS:
@@ -229,8 +285,17 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
             raise ValueError("streaming is available for method='ar' and 'tp' only")
         tokens, stats = generate_pipelined(model, prompt, int(max_new_tokens), sp, method=method, n=n,
                                            stage_layers=stage_layers, spec=spec, psm_layers=psm_layers,
-                                           drafter=drafter, oracle_tokens=oracle_tokens, stop_at_eos=stop_at_eos)
+                                           drafter=drafter, oracle_tokens=oracle_tokens, stop_at_eos=stop_at_eos,
+                                           psm_placement=psm_placement)
         return GenerateResult(tokens, stats)
+    if method == "eagle3":
+        if stream is not None:
+            raise ValueError("streaming is available for method='ar' and 'tp' only")
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"eagle3 needs a positive chain length k, got {k!r}")
+        model._require_layers("method='eagle3'")
+        return GenerateResult(*_generate_eagle3(model, prompt, int(max_new_tokens), sp, int(k), drafter_spec,
+                                                stop_at_eos))
 
     p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
     cache_len = ar.round_up(max(P + max_new_tokens, p_pad), ar.CACHE_BUCKET)

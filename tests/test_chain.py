@@ -2,7 +2,8 @@
 greedy tokens equal `ar`'s for every drafter and k in {3, 7} on Llama and the Qwen3.5 hybrid; the oracle
 drafter has every draft accepted; sampling gives the target's exact distribution (chi-square) and a
 wrong rule is caught; Gated DeltaNet rewinds into the middle of a multi-token call; the drafter's
-training forward equals its inference, its loss decreases, and its checkpoints refuse another target."""
+training forward equals its inference, its loss decreases, and its checkpoints refuse another target;
+`spd_jax.generate(method="eagle3")` commits `ar`'s tokens."""
 
 import dataclasses
 
@@ -73,6 +74,22 @@ def test_greedy_chain_equals_autoregressive(tiny, k):
     toks, s = chain.generate_chain(model, PROMPT, N, eagle3.Eagle3Drafter(model.config, spec, k), dp,
                                    stop_at_eos=False)
     assert toks == ref
+
+
+def test_generate_api_eagle3(tiny):
+    """spd_jax.generate(method="eagle3"): greedy tokens equal `ar`'s; without a drafter checkpoint (none
+    ships for a tiny model) a random drafter; the stats a chain round reports."""
+    model, ref = tiny
+    res = spd_jax.generate(model, PROMPT, N, method="eagle3", k=3, stop_at_eos=False)
+    s = res.stats
+    assert res.token_ids == ref and s["method"] == "eagle3" and s["drafter_spec"] == "random" and s["k"] == 3
+    assert s["tokens"] == N and s["tokens_per_round"] == N / s["rounds"] and s["devices"] == 1
+    assert s["accepted"] >= 0 and s["rejected"] <= s["rounds"] and s["tokens_per_s"] > 0 and s["compile_s"] >= 0
+    assert "excludes compilation" in s["timing_includes"] and s["wall_s"] > 0
+    with pytest.raises(ValueError, match="positive chain length k"):
+        spd_jax.generate(model, PROMPT, N, method="eagle3", k=0)
+    with pytest.raises(ValueError, match="streaming"):
+        spd_jax.generate(model, PROMPT, N, method="eagle3", stream=print)
 
 
 def test_no_drafter_is_autoregressive_sampling(tiny_ckpt):

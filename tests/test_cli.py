@@ -36,6 +36,24 @@ def test_json_output_with_prompt_ids(tiny_ckpt):
     # spd through the CLI with --random-psm: tests/test_compile_cache.py
 
 
+def test_eagle3_mode_equals_ar(tiny_ckpt, tmp_path):
+    """python -m infer.generate --mode eagle3 --k 3 --drafter PATH --json: a saved drafter loads and the
+    chain commits `ar`'s greedy tokens."""
+    from spd_jax.drafters import eagle3
+
+    path, _ = tiny_ckpt("qwen2", True)
+    model = spd_jax.load_model(path)
+    spec = eagle3.Eagle3Config.for_target(model.config)
+    eagle3.save_eagle3(tmp_path / "drafter", eagle3.init_eagle3(model.config, spec, model.params, seed=3), spec)
+    p = run_cli("--model", str(path), "--mode", "eagle3", "--k", "3", "--drafter", str(tmp_path / "drafter"),
+                "--prompt-ids", "1,5,9", "--max-new-tokens", "12", "--no-eos", "--json")
+    obj = json.loads(p.stdout.strip().splitlines()[-1])
+    assert obj["token_ids"] == spd_jax.generate(model, [1, 5, 9], 12, stop_at_eos=False).token_ids
+    s = obj["stats"]
+    assert s["method"] == "eagle3" and s["k"] == 3 and s["drafter_spec"] == str(tmp_path / "drafter")
+    assert s["tokens"] == 12 and s["tokens_per_round"] == 12 / s["rounds"]
+
+
 def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
     path, _ = tiny_ckpt("qwen2", True)
     p = run_cli("--model", str(path), "--mode", "ar", "--prompt-ids", "1,2", "--temperature", "-1", check=False)
