@@ -1,8 +1,8 @@
 """python -m infer.evaluate: acceptance (alpha, S0) and measured speed of every decoding method on
 benchmark prompts, side by side in one run.
 
-    python -m infer.evaluate --bench mt_bench,gsm8k,humaneval[,PATH.jsonl] --methods ar,pipeline,spd
-                             --n 2,4,8 --temperature 0,1 --limit 80 --max-new-tokens 128 --out DIR
+    python -m infer.evaluate --bench mt_bench,gsm8k,humaneval[,PATH.jsonl] --methods ar,pipeline,tp,eagle3,spd
+                             --n 2,4,8 --k 3,7 --temperature 0,1 --limit 80 --max-new-tokens 128 --out DIR
 
 Conventions follow the SPD reference code so figures compare with the paper's: 80 prompts per
 benchmark by default, first turn only, the chat template, HumanEval prompts prefixed "Complete the
@@ -10,9 +10,15 @@ code I provided.", T=1 meaning temperature 1 with top-k 50 and top-p 0.95, and a
 prompts as sum(tokens) / sum(cycles). Any JSONL with a `prompt`, `text`, `question` or `turns` field
 (or `prompt_ids`, token ids used as they are) is a benchmark.
 
-DIR/results.jsonl gets one row per (benchmark, prompt, method, n, T) as it finishes; a rerun skips the
-rows already there. DIR/results.md holds the pooled tables and DIR/s0_vs_n.png, DIR/speed_vs_n.png the
-plots. Each row says what its timing includes.
+`eagle3` is chain speculative decoding on one device with the EAGLE-3-style drafter, one row per chain
+length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens / rounds (the reference's
+theoretical speedup of a chain drafter).
+
+DIR/results.jsonl gets one row per (benchmark, prompt, method, n or k, T) as it finishes; a rerun skips
+the rows already there. DIR/results.md holds the pooled tables, with the cost model's projected
+wall-clock speedup on the H200-like and TPU-like profiles (`spd_jax.pipeline.costs`) at each row's
+measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and DIR/cycle_breakdown.png the plots. Each row
+says what its timing includes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import gzip
 import json
 import logging
 import sys
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -68,28 +75,41 @@ def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
 
 
 def row_key(r: dict) -> tuple:
-    """What makes a row: a rerun into the same directory with another model, PSM, length or seed
-    computes new rows instead of reusing these."""
-    return (r["bench"], r["prompt_index"], r["method"], r["n"], r["temperature"], r["model"], r["spec"],
-            r["max_new_tokens"], r["seed"])
+    """What makes a row: a rerun into the same directory with another model, PSM, drafter, chain length,
+    length or seed computes new rows instead of reusing these (k and drafter: eagle3 rows only)."""
+    return (r["bench"], r["prompt_index"], r["method"], r["n"], r.get("k"), r["temperature"], r["model"], r["spec"],
+            r.get("drafter"), r["max_new_tokens"], r["seed"])
+
+
+def method_label(t: dict) -> str:
+    """A table row's method, with its chain length for eagle3 ("eagle3 k=3")."""
+    return t["method"] if t.get("k") is None else f"{t['method']} k={t['k']}"
 
 
 def pooled(rows: list[dict]) -> list[dict]:
-    """Per (bench, method, n, T) and over all benchmarks ("all"): sum(tokens) / sum(cycles) and
-    sum(tokens) / sum(wall), with each one's tokens/s over `ar`'s at the same bench and T."""
+    """Per (bench, method, n, k, T) and over all benchmarks ("all"): sum(tokens) / sum(cycles) and
+    sum(tokens) / sum(wall), with each one's tokens/s over `ar`'s at the same bench and T. Also what the
+    projections and the breakdown plot read: the measured prefill time where the method times it apart
+    (ar, tp), the mean decode context (prompt + half the generated tokens), the stage plan and drafters."""
     groups = defaultdict(list)
     for r in rows:
         for bench in (r["bench"], "all"):
-            groups[(bench, r["method"], r["n"], r["temperature"])].append(r)
+            groups[(bench, r["method"], r["n"], r.get("k"), r["temperature"])].append(r)
     table = []
-    for (bench, method, n, temp), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "all", kv[0])):
+    order = lambda kv: (kv[0][0] == "all", kv[0][:3], kv[0][3] or 0, kv[0][4:])  # noqa: E731  (k None first)
+    for (bench, method, n, k, temp), rs in sorted(groups.items(), key=order):
         tok = sum(r["tokens"] for r in rs)
         cyc = sum(r["cycles"] for r in rs)
         wall = sum(r["wall_s"] for r in rs)
         alpha = tok / cyc if cyc else float("nan")
-        table.append(dict(bench=bench, method=method, n=n, temperature=temp, prompts=len(rs), tokens=tok,
+        prefill = sum(r["prefill_s"] for r in rs) if all(r.get("prefill_s") is not None for r in rs) else None
+        table.append(dict(bench=bench, method=method, n=n, k=k, temperature=temp, prompts=len(rs), tokens=tok,
                           cycles=cyc, alpha=alpha, S0=alpha * rs[0]["depth_ratio"], tokens_per_s=tok / wall,
-                          timing_includes=rs[0]["timing_includes"]))
+                          wall_s=wall, prefill_s=prefill,
+                          context=sum(r.get("prompt_tokens", 0) + r["tokens"] / 2 for r in rs) / len(rs),
+                          stage_layers=rs[0].get("stage_layers"), psm=rs[0].get("psm"),
+                          psm_device=rs[0].get("psm_device"),
+                          drafter_spec=rs[0].get("drafter_spec"), timing_includes=rs[0]["timing_includes"]))
     ar = {(t["bench"], t["temperature"]): t["tokens_per_s"] for t in table if t["method"] == "ar"}
     for t in table:
         base = ar.get((t["bench"], t["temperature"]))
@@ -97,20 +117,127 @@ def pooled(rows: list[dict]) -> list[dict]:
     return table
 
 
+# ---------------------------------------------------------------- projections (the cost model)
+# The EAGLE-3 round's cost is counted here until spd_jax.pipeline.costs takes it (it counts SPD's cycle).
+
+def eagle3_round_costs(cfg, k: int, context: int, draft_vocab: int = 0, param_bytes: int = 2) -> dict:
+    """The parts of one chain round of the EAGLE-3-style drafter on one device (`decode.chain` with
+    `drafters.eagle3.Eagle3Drafter`), as FLOPs and bytes: {part: [[LayerCost]]}, each inner list one
+    launch. Not a measurement: `spd_jax.pipeline.costs`'s counting applied to the chain:
+    - "draft": k drafter steps on one row: the first is the head on the verified row's output, each later
+      one the drafter's decoder layer then its head (k heads, k - 1 layer rows);
+    - "target": one target pass over the k + 1 positions (embedding, every layer and the head on k + 1
+      rows; weights and caches read once, FLOPs times k + 1);
+    - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
+    The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
+    from spd_jax.config import ATTENTION
+    from spd_jax.drafters import eagle3
+    from spd_jax.models import schema
+    from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost
+
+    H, rows, pb = cfg.hidden_size, k + 1, param_bytes
+    m = len(eagle3.default_layers(cfg.num_layers))
+    wide = eagle3.layer_schema(cfg)
+    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
+    extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
+
+    def drafter_layer(r):
+        c = kind_cost(cfg, ATTENTION, context, pb, pb, r)
+        return dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
+                                   weight_bytes=c.weight_bytes + extra * pb)
+
+    def times(c, r):  # a head or an embedding on r rows: FLOPs and activations r times, weights once
+        return dataclasses.replace(c, flops=c.flops * r, state_bytes=c.state_bytes * r)
+
+    d_head = head_cost(cfg, pb, draft_vocab or cfg.vocab_size)
+    fc = LayerCost("eagle3_fc", m * H * H, 2 * m * H * H * rows, m * H * H * pb, rows * m * H * pb)
+    target = [times(embed_cost(cfg, pb), rows), *[kind_cost(cfg, kind, context, pb, pb, rows) for kind in
+                                                  cfg.layer_types], times(head_cost(cfg, pb), rows)]
+    return dict(draft=[[d_head]] + [[drafter_layer(1), d_head]] * (k - 1), target=[target],
+                commit=[[fc, drafter_layer(rows)]])
+
+
+def project_eagle3(cfg, k: int, hw, context: int, tokens_per_round: float, draft_vocab: int = 0,
+                   param_bytes: int = 2) -> dict:
+    """Projected seconds of one chain round on `hw` per part, and the wall-clock speedup over `ar` at the
+    measured tokens per round: tokens_per_round * t_ar / t_round, t_ar counted as `costs.predict` counts it."""
+    from spd_jax.models.costs import embed_cost, head_cost, layer_costs
+
+    parts = {name: sum(hw.part_s(p) for p in ps)
+             for name, ps in eagle3_round_costs(cfg, k, context, draft_vocab, param_bytes).items()}
+    t_ar = hw.part_s([embed_cost(cfg, param_bytes), *layer_costs(cfg, context, param_bytes, param_bytes),
+                      head_cost(cfg, param_bytes)])
+    t_round = sum(parts.values())
+    return dict(parts_s=parts, round_s=t_round, ar_step_s=t_ar, speedup=tokens_per_round * t_ar / t_round)
+
+
+PROFILES = ("H200", "TPU")  # the projection columns: costs.H200_NVLINK and costs.TPU_V5E_ICI
+
+
+def project(table: list[dict], cfg) -> None:
+    """Add each table row's projected wall-clock speedup over `ar` and its projected cycle by part on the
+    H200-like and TPU-like profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
+    measured alpha, stage plan and PSM device (`costs.predict`: busiest device + collectives); tp and
+    pipeline from `costs.predict` at n; eagle3 from `project_eagle3` at its measured tokens per round;
+    ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
+    from spd_jax.drafters import eagle3
+    from spd_jax.drafters.psm import PSMConfig, read_spec
+    from spd_jax.pipeline import costs
+    from spd_jax.pipeline.partition import StagePlan
+
+    hws = dict(zip(PROFILES, (costs.H200_NVLINK, costs.TPU_V5E_ICI)))
+    for t in table:
+        ctx = max(int(round(t["context"])), 1)
+        t["proj"] = {}
+        for name, hw in hws.items():
+            if t["method"] == "ar":
+                step_s = project_eagle3(cfg, 1, hw, ctx, 1.0)["ar_step_s"]
+                t["proj"][name] = dict(speedup=1.0, parts_s=dict(step=step_s))
+            elif t["method"] == "eagle3":
+                label = t.get("drafter_spec")
+                dv = eagle3.read_spec(label).draft_vocab if label not in (None, "random", "given") else 0
+                p = project_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
+                t["proj"][name] = dict(speedup=p["speedup"], parts_s=p["parts_s"])
+            else:
+                plan = (StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else
+                        costs.default_plan(cfg, t["n"]))
+                label = t.get("psm")
+                psm_cfg = (read_spec(label) if label not in (None, "random", "given") else
+                           PSMConfig.for_target(cfg, plan.counts))
+                where = dict(psm_device=t["psm_device"]) if t.get("psm_device") is not None else {}  # as it ran
+                pred = costs.predict(cfg, t["n"], psm_cfg, hw, ctx, S0=t["S0"], plan=plan,
+                                     alpha=t["alpha"] if t["method"] == "spd" else None, **where)
+                tp_compute = (pred["ar_step_s"] - hw.launch_s) / t["n"] + hw.launch_s  # 1/n of ar's, one launch
+                parts = {"tp": dict(compute=tp_compute, collectives=pred["tp_step_s"] - tp_compute),
+                         "pipeline": dict(step=pred["pipeline_token_s"]),
+                         "spd": dict(busiest_device=pred["spd_cycle_s"] - pred["spd_comm_s"],
+                                     collectives=pred["spd_comm_s"])}[t["method"]]
+                t["proj"][name] = dict(speedup=pred[f"speedup_{t['method']}"], parts_s=parts)
+
+
 def results_markdown(table: list[dict], setup: dict) -> str:
+    proj = any("proj" in t for t in table)
     lines = ["# Evaluation results", "",
              "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()), "",
-             "alpha = tokens committed per cycle (SPD, pipeline) or per verification round, pooled as "
-             "sum(tokens) / sum(cycles); S0 = alpha * L / (layers of the slowest stage), the speedup an "
-             "ideal pipeline would turn it into. tok/s and the ratio to `ar` are measured in this run on "
-             "this backend; on a CPU host the n stage devices share its cores, so the ratio is not a "
-             "projection for real devices.", "",
-             "| bench | method | n | T | prompts | tokens | alpha | S0 | tok/s | vs ar |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "alpha = tokens committed per cycle (SPD, pipeline) or per verification round (eagle3: tokens "
+             "per target pass), pooled as sum(tokens) / sum(cycles); S0 = alpha * L / (layers of the slowest "
+             "stage), the speedup an ideal pipeline would turn it into (eagle3, on n = 1 device: its tokens "
+             "per target pass). tok/s and the ratio to `ar` are measured in this run on this backend; on a "
+             "CPU host the n stage devices share its cores, so the ratio is not a projection for real devices."
+             + (" proj. H200 / proj. TPU: the cost model's projected wall-clock speedup over `ar` "
+                "(`spd_jax.pipeline.costs`, H200-NVLink-like and TPU-v5e-like profiles: published figures, not "
+                "measurements; communication included; bf16) at the row's measured alpha and mean decode "
+                "context; spd: busiest device + the cycle's collectives; eagle3: one chain round on one device "
+                "= k drafter steps + one target pass over k + 1 positions + the drafter's pass over the verified "
+                "rows; prefill excluded." if proj else ""), "",
+             "| bench | method | n | T | prompts | tokens | alpha | S0 | tok/s | vs ar |"
+             + (" proj. H200 | proj. TPU |" if proj else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if proj else "")]
     for t in table:
         ratio = f"{t['speed_vs_ar']:.2f}x" if t["speed_vs_ar"] else "-"
-        lines.append(f"| {t['bench']} | {t['method']} | {t['n']} | {t['temperature']:g} | {t['prompts']} | "
-                     f"{t['tokens']} | {t['alpha']:.3f} | {t['S0']:.2f} | {t['tokens_per_s']:.1f} | {ratio} |")
+        cols = "".join(f" {t['proj'][p]['speedup']:.2f}x |" if "proj" in t else " - |" for p in PROFILES if proj)
+        lines.append(f"| {t['bench']} | {method_label(t)} | {t['n']} | {t['temperature']:g} | {t['prompts']} | "
+                     f"{t['tokens']} | {t['alpha']:.3f} | {t['S0']:.2f} | {t['tokens_per_s']:.1f} | {ratio} |" + cols)
     lines += ["", "What each timing includes:", ""]
     for method in sorted({t["method"] for t in table}):
         lines.append(f"- `{method}`: " + next(t["timing_includes"] for t in table if t["method"] == method))
@@ -123,28 +250,79 @@ def plot(table: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, field, title in (("s0_vs_n.png", "S0", "S0 (pooled) vs pipeline depth n"),
-                               ("speed_vs_n.png", "speed_vs_ar", "measured tokens/s over ar vs n")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        series = defaultdict(list)
-        for t in table:
-            if t["method"] != "ar" and t[field] is not None and (field != "S0" or t["method"] == "spd"):
-                series[(t["bench"], t["method"], t["temperature"])].append((t["n"], t[field]))
-        for (bench, method, temp), pts in sorted(series.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{method} {bench} T={temp:g}")
-        ax.set(title=title, xlabel="n (stages)", ylabel=field)
-        if series:
-            ax.legend(fontsize=7)
+    # eagle3 runs on one device: its points sit at n = 1, one series per k
+    for name, field, title in (("s0_vs_n.png", "S0", "S0 (pooled) vs devices n"),
+                               ("speed_vs_n.png", "speed_vs_ar", "measured tokens/s over ar vs devices n")):
+        proj = field == "speed_vs_ar" and any("proj" in t for t in table)
+        fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(12 if proj else 6, 4), squeeze=False)
+        for ax, src in zip(axes[0], ("measured", "H200") if proj else ("measured",)):
+            series = defaultdict(list)
+            for t in table:
+                value = t[field] if src == "measured" else t["proj"][src]["speedup"]
+                if t["method"] != "ar" and value is not None and (field != "S0" or t["method"] in ("spd", "eagle3")):
+                    series[(t["bench"], method_label(t), t["temperature"])].append((t["n"], value))
+            for (bench, method, temp), pts in sorted(series.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{method} {bench} T={temp:g}")
+            ax.set(title=title if src == "measured" else "projected wall-clock speedup over ar, H200-like (cost "
+                   "model)", xlabel="n (devices)", ylabel=field if src == "measured" else "speedup")
+            if series:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
+    plot_breakdown(table, out / "cycle_breakdown.png")
+
+
+def plot_breakdown(table: list[dict], png: Path) -> None:
+    """Time per cycle, stacked, one bar per (method, n, k, T) over all benchmarks. Left, measured here:
+    wall time / cycles (rounds for eagle3, tokens for ar and tp), split only where the method times its
+    parts apart (ar, tp: prefill and the decode loop; the others time prefill and loop as one). Right,
+    when the table is projected: the cost model's H200-like cycle by part (spd: busiest device and
+    collectives; tp: compute and all-reduces; eagle3: drafter steps, target pass, drafter commit; ar and
+    pipeline: one step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [t for t in table if t["bench"] == "all" and t["cycles"]]
+    proj = any("proj" in t for t in rows)
+    fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(13 if proj else 7, 4.2), squeeze=False)
+    labels = [f"{method_label(t)}\nn={t['n']} T={t['temperature']:g}" for t in rows]
+    panels = [("measured here: wall time / cycles (not a projection)", "ms per cycle", 1e3,
+               lambda t: ([("prefill (timed apart)", t["prefill_s"]), ("decode loop", t["wall_s"] - t["prefill_s"])]
+                          if t["prefill_s"] is not None else [("prefill + loop (one timing)", t["wall_s"])]),
+               lambda t: 1 / t["cycles"])]
+    if proj:
+        panels.append(("projected, H200-like (cost model, not measured)", "us per cycle", 1e6,
+                       lambda t: list(t["proj"]["H200"]["parts_s"].items()), lambda t: 1.0))
+    for ax, (title, unit, scale, parts, per) in zip(axes[0], panels):
+        colors: dict[str, str] = {}
+        for i, t in enumerate(rows):
+            bottom = 0.0
+            for name, sec in parts(t):
+                h = sec * per(t) * scale
+                first = name not in colors
+                ax.bar(i, h, bottom=bottom, color=colors.setdefault(name, f"C{len(colors)}"),
+                       label=name if first else None)
+                bottom += h
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set(title=title, ylabel=unit)
+        if colors:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
-             spec=None, seed: int = 0, progress: bool = True, write: bool = True) -> list[dict]:
+             spec=None, seed: int = 0, progress: bool = True, write: bool = True, ks=(3,),
+             drafter=None) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
-    finishes (write=False: compute the same rows, write nothing: the other processes of a job). -> all rows."""
+    finishes (write=False: compute the same rows, write nothing: the other processes of a job); eagle3
+    once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
+    else random; "random"; a checkpoint directory). -> all rows of this setup."""
     import contextlib
 
     import spd_jax
@@ -153,29 +331,42 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     path = out / "results.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
     done = {row_key(r) for r in rows}
-    jobs = [(b, i, p, m, n, float(t)) for b, ps in benches.items() for i, p in enumerate(ps)
-            for t in temperatures for m in methods for n in (ns if m != "ar" else [1])]
+    chains = [(1, int(k)) for k in ks]  # eagle3: (n = 1 device, k)
+    jobs = [(b, i, p, m, n, k, float(t)) for b, ps in benches.items() for i, p in enumerate(ps)
+            for t in temperatures for m in methods
+            for n, k in (chains if m == "eagle3" else [(n, None) for n in (ns if m != "ar" else [1])])]
     same = dict(model=model.path.name, spec="default" if spec is None else str(spec), max_new_tokens=max_new_tokens,
                 seed=seed)
-    todo = [j for j in jobs if row_key(dict(bench=j[0], prompt_index=j[1], method=j[3], n=j[4], temperature=j[5],
-                                            **same)) not in done]
-    rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())]  # only this setup's rows
+    dlabel = "default" if drafter is None else str(drafter)
+
+    def eagle3_fields(method):  # what only eagle3 rows carry (other rows keep their older shape)
+        return dict(drafter=dlabel) if method == "eagle3" else {}
+
+    todo = [j for j in jobs if row_key(dict(bench=j[0], prompt_index=j[1], method=j[3], n=j[4], k=j[5],
+                                            temperature=j[6], **same, **eagle3_fields(j[3]))) not in done]
+    # only this setup's rows (and its drafter's eagle3 rows)
+    rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())
+            and (r["method"] != "eagle3" or r.get("drafter") == dlabel)]
     L = model.config.num_layers
     if write:
         out.mkdir(parents=True, exist_ok=True)
     with (path.open("a") if write else contextlib.nullcontext()) as f:
-        for bench, i, p, method, n, temp in tqdm(todo, desc="evaluate", unit="run", disable=not progress):
+        for bench, i, p, method, n, k, temp in tqdm(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
+            chain = dict(k=k, drafter_spec=drafter) if method == "eagle3" else {}
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
-                                   **SAMPLING[temp])
+                                   **chain, **SAMPLING[temp])
             s = res.stats
-            cycles = s.get("cycles", s["tokens"])  # ar: one target step per token
+            # target passes after prefill: SPD / pipeline cycles, eagle3 verification rounds, one per ar token
+            cycles = s["rounds"] if method == "eagle3" else s.get("cycles", s["tokens"])
             row = dict(bench=bench, prompt_index=i, method=method, n=n, temperature=temp, **same,
+                       **(dict(k=k, drafter=dlabel, drafter_spec=s["drafter_spec"]) if method == "eagle3" else {}),
                        prompt_tokens=s["prompt_tokens"], tokens=s["tokens"], cycles=cycles,
                        alpha=s["tokens"] / cycles if cycles else float("nan"),
                        depth_ratio=(L / max(s["stage_layers"])) if "stage_layers" in s else 1.0,
                        accepted=s.get("accepted"), rejected=s.get("rejected"), wall_s=s["wall_s"],
                        tokens_per_s=s["tokens_per_s"], compile_s=s["compile_s"], compile_from=s["compile_from"], psm=s.get("psm"),
+                       stage_layers=s.get("stage_layers"), psm_device=s.get("psm_device"), prefill_s=s.get("prefill_s"),
                        token_ids=res.token_ids, timing_includes=s["timing_includes"], backend=s["backend"])
             row["S0"] = row["alpha"] * row["depth_ratio"]
             if f is not None:
@@ -202,6 +393,9 @@ def main(argv=None) -> int:
                     help="comma-separated: mt_bench, gsm8k, humaneval, or JSONL paths")
     ap.add_argument("--methods", type=_csv(str), default=["ar", "pipeline", "spd"])
     ap.add_argument("--n", type=_csv(int), default=[8], help="pipeline depths, e.g. 2,4,8")
+    ap.add_argument("--k", type=_csv(int), default=[3, 7], help="eagle3 chain lengths (drafts per round), e.g. 3,7")
+    ap.add_argument("--drafter", default=None, help="EAGLE-3 drafter checkpoint for eagle3, or 'random' (default: "
+                                                    "the one shipped for the model, else a random one)")
     ap.add_argument("--temperature", type=_csv(float), default=[0.0], help="0 (greedy) and/or 1")
     ap.add_argument("--limit", type=int, default=80, help="prompts per benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -242,13 +436,14 @@ def main(argv=None) -> int:
         out = Path(args.out)
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
-                        args.seed, progress=leader, write=leader)
+                        args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not leader:
         return 0
     table = pooled(rows)
+    project(table, model.config)
     setup = dict(model=model.path.name, max_new_tokens=args.max_new_tokens, limit=args.limit,
                  backend=rows[0]["backend"] if rows else "?")
     (out / "results.md").write_text(results_markdown(table, setup))

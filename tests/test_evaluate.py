@@ -1,4 +1,5 @@
-"""The evaluation harness end to end on a tiny model: every method, tables, plots, resume."""
+"""The evaluation harness end to end on a tiny model: every method (eagle3 at two chain lengths), tables
+with the cost model's projections, plots, resume; the EAGLE-3 round's projection on its own."""
 
 import json
 
@@ -18,27 +19,67 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     bench.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 9, 7 + 2 * i]}) + "\n" for i in range(2)))
     prompts = {"b": evaluate.read_benchmark(str(bench), limit=2)}
     out = tmp_path / "eval"
-    rows = evaluate.evaluate(tiny, prompts, ["ar", "pipeline", "spd"], [2], [0.0], 8, out, spec="random",
-                             progress=False)
-    assert len(rows) == 6
-    by = {(r["method"], r["prompt_index"]): r for r in rows}
+    methods = ["ar", "pipeline", "spd", "eagle3"]
+    rows = evaluate.evaluate(tiny, prompts, methods, [2], [0.0], 8, out, spec="random", progress=False, ks=(3, 7),
+                             drafter="random")
+    assert len(rows) == 10  # 2 prompts x (ar, pipeline, spd, eagle3 at k = 3 and 7)
+    by = {(r["method"], r.get("k"), r["prompt_index"]): r for r in rows}
     for i in range(2):  # greedy: every method commits exactly the autoregressive tokens
-        assert by[("spd", i)]["token_ids"] == by[("pipeline", i)]["token_ids"] == by[("ar", i)]["token_ids"]
+        ar = by[("ar", None, i)]["token_ids"]
+        assert by[("spd", None, i)]["token_ids"] == by[("pipeline", None, i)]["token_ids"] == ar
+        assert by[("eagle3", 3, i)]["token_ids"] == by[("eagle3", 7, i)]["token_ids"] == ar
+    e3 = by[("eagle3", 7, 0)]
+    assert e3["n"] == 1 and e3["k"] == 7 and e3["drafter_spec"] == "random" and e3["S0"] == e3["alpha"]
+    assert e3["alpha"] == e3["tokens"] / e3["cycles"]  # tokens per target pass (cycles = verification rounds)
     table = evaluate.pooled(rows)
     spd_all = next(t for t in table if t["bench"] == "all" and t["method"] == "spd")
     assert spd_all["tokens"] == sum(r["tokens"] for r in rows if r["method"] == "spd")
     assert spd_all["alpha"] == spd_all["tokens"] / sum(r["cycles"] for r in rows if r["method"] == "spd")
+    e3_all = next(t for t in table if t["bench"] == "all" and t["method"] == "eagle3" and t["k"] == 3)
+    assert e3_all["S0"] == e3_all["tokens"] / sum(r["cycles"] for r in rows if r.get("k") == 3)
     md = evaluate.results_markdown(table, dict(model="tiny"))
-    assert "| b | spd | 2 | 0 | 2 |" in md
+    assert "| b | spd | 2 | 0 | 2 |" in md and "| b | eagle3 k=7 | 1 | 0 | 2 |" in md
+    evaluate.project(table, tiny.config)
+    md = evaluate.results_markdown(table, dict(model="tiny"))
+    assert "proj. H200 | proj. TPU |" in md and "| all | ar | 1 | 0 | 2 |" in md
+    for t in table:
+        assert all(t["proj"][p]["speedup"] > 0 for p in evaluate.PROFILES)
     evaluate.plot(table, out)
-    assert (out / "s0_vs_n.png").stat().st_size > 0 and (out / "speed_vs_n.png").stat().st_size > 0
+    for png in ("s0_vs_n.png", "speed_vs_n.png", "cycle_breakdown.png"):
+        assert (out / png).stat().st_size > 0
 
     # a rerun does not redo finished rows
     calls = []
-    monkeypatch.setattr(spd_jax, "generate", lambda *a, **k: calls.append(1))
-    again = evaluate.evaluate(tiny, prompts, ["ar", "pipeline", "spd"], [2], [0.0], 8, out, spec="random",
-                              progress=False)
-    assert calls == [] and len(again) == 6
+
+    def generate(*a, **kw):
+        calls.append(kw)
+        raise RuntimeError("a row to do")
+
+    monkeypatch.setattr(spd_jax, "generate", generate)
+    again = evaluate.evaluate(tiny, prompts, methods, [2], [0.0], 8, out, spec="random", progress=False, ks=(3, 7),
+                              drafter="random")
+    assert calls == [] and len(again) == 10
+    # another drafter is another setup: its eagle3 rows are to do
+    with pytest.raises(RuntimeError, match="a row to do"):
+        evaluate.evaluate(tiny, prompts, ["eagle3"], [2], [0.0], 8, out, spec="random", progress=False, ks=(3,),
+                          drafter=str(tmp_path / "other"))
+    assert calls[0]["k"] == 3 and calls[0]["drafter_spec"] == str(tmp_path / "other")
+
+
+def test_eagle3_round_projection():
+    """One chain round on one device: drafts cost time, so 1 token per round is slower than `ar`, and
+    every draft accepted (k + 1 per round) is faster but below k + 1; a larger k costs more per round."""
+    from spd_jax.config import ModelConfig
+    from spd_jax.pipeline import costs
+
+    cfg = ModelConfig.named("qwen3-0.6b")
+    for hw in (costs.H200_NVLINK, costs.TPU_V5E_ICI):
+        slow = evaluate.project_eagle3(cfg, 3, hw, 512, 1.0)
+        fast = evaluate.project_eagle3(cfg, 3, hw, 512, 4.0)
+        assert slow["speedup"] < 1 < fast["speedup"] < 4
+        assert set(slow["parts_s"]) == {"draft", "target", "commit"}
+        assert slow["round_s"] > slow["ar_step_s"]  # the k + 1 position pass reads the weights once, plus drafts
+        assert evaluate.project_eagle3(cfg, 7, hw, 512, 1.0)["round_s"] > slow["round_s"]
 
 
 def test_known_benchmarks_follow_the_reference_conventions():
