@@ -373,19 +373,9 @@ def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
 def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None) -> None:
     """Write variables (orbax) and the spec (`eagle3.json`, plus `extra` facts such as training
     provenance; "head": "shared" when variables lack the LM head) to a new directory `path`."""
-    import orbax.checkpoint as ocp
+    from spd_jax.drafters.store import save_drafter
 
-    from spd_jax import distributed
-
-    path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"{path} exists; save the drafter to a new directory")
-    distributed.barrier("save_eagle3")  # in a multi-process job: every process checked before any writes
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "params", variables)
-    ckptr.wait_until_finished()
-    if distributed.is_leader():
-        (path / "eagle3.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
+    save_drafter(path, variables, "eagle3.json", dict(spec_to_json(spec), **(extra or {})), "drafter")
 
 
 def read_spec(path: str | Path) -> Eagle3Config:

@@ -374,19 +374,9 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
 def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None) -> None:
     """Write variables (orbax) and the spec (JSON, plus `extra` facts such as training provenance) to a
     new directory `path`."""
-    import orbax.checkpoint as ocp
+    from spd_jax.drafters.store import save_drafter
 
-    from spd_jax import distributed
-
-    path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"{path} exists; save the PSM to a new directory")
-    distributed.barrier("save_psm")  # in a multi-process job: every process checked before any writes
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "params", variables)
-    ckptr.wait_until_finished()
-    if distributed.is_leader():
-        (path / "psm.json").write_text(json.dumps(dict(spec_to_json(spec), **(extra or {})), indent=1))
+    save_drafter(path, variables, "psm.json", dict(spec_to_json(spec), **(extra or {})), "PSM")
 
 
 def read_spec(path: str | Path) -> PSMConfig:

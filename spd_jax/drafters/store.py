@@ -1,0 +1,25 @@
+"""Writing a drafter checkpoint: its variables (orbax) and its identity (JSON) in a new directory, once
+per job (every process takes part in the orbax save; process 0 alone writes the JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, what: str) -> None:
+    """variables -> path/params (orbax), meta -> path/meta_name. path must not exist (never overwrite a
+    checkpoint); what names the drafter in that error."""
+    import orbax.checkpoint as ocp
+
+    from spd_jax import distributed
+
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"{path} exists; save the {what} to a new directory")
+    distributed.barrier(f"save {what}")  # in a multi-process job: every process checked before any writes
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path / "params", variables)
+    ckptr.wait_until_finished()
+    if distributed.is_leader():
+        (path / meta_name).write_text(json.dumps(meta, indent=1))
