@@ -34,7 +34,7 @@ import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features
-from spd_jax.drafters.psm import check_vocab_ids, target_signature
+from spd_jax.drafters.psm import check_vocab_ids, target_head, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
@@ -271,14 +271,8 @@ def init_eagle3(cfg: ModelConfig, spec: Eagle3Config, target_params: dict, seed:
     rows at vocab_ids [V'] with a draft vocabulary, which then needs them)."""
     variables = _init_random(cfg, spec, seed)
     params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
-    head = decoder.lm_head(target_params, cfg)
-    out = {"params": params}
-    if spec.draft_vocab:
-        if vocab_ids is None:
-            raise ValueError("an EAGLE-3 drafter with a draft vocabulary needs its token ids (vocab_ids)")
-        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
-        head = head[out["vocab"]["ids"]]
-    params["lm_head"] = jnp.asarray(head, dtype)
+    out = {"params": params, **target_head(cfg, spec, target_params, vocab_ids, dtype, "an EAGLE-3 drafter")}
+    params["lm_head"] = out.pop("lm_head")
     params["final_norm"] = jnp.array(target_params["final_norm"], dtype, copy=True)  # trained: not aliased
     return out
 

@@ -296,6 +296,20 @@ def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
     return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
 
 
+def target_head(cfg: ModelConfig, spec, target_params: dict, vocab_ids, dtype, what: str) -> dict:
+    """A drafter's frozen LM head copied from the target's -> {"lm_head": [V', H]} (the caller puts it in
+    its params), plus {"vocab": {"ids": [V']}} with a draft vocabulary (its rows at vocab_ids, which it
+    then needs). what names the drafter in the error."""
+    head = decoder.lm_head(target_params, cfg)
+    out = {}
+    if spec.draft_vocab:
+        if vocab_ids is None:
+            raise ValueError(f"{what} with a draft vocabulary needs its token ids (vocab_ids)")
+        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
+        head = head[out["vocab"]["ids"]]
+    return dict(out, lm_head=jnp.asarray(head, dtype))
+
+
 def check_vocab_ids(ids, spec: PSMConfig, cfg: ModelConfig) -> jax.Array:
     """A draft vocabulary's token ids [V']: sorted, distinct, inside the target's vocabulary."""
     a = np.asarray(ids)
@@ -314,14 +328,8 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
     layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
     variables = _init_random(cfg, spec, seed)
     params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
-    head = decoder.lm_head(target_params, cfg)
-    out = {"params": params}
-    if spec.draft_vocab:
-        if vocab_ids is None:
-            raise ValueError("a PSM with a draft vocabulary needs its token ids (vocab_ids)")
-        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
-        head = head[out["vocab"]["ids"]]
-    params["lm_head"] = jnp.asarray(head, dtype)
+    out = {"params": params, **target_head(cfg, spec, target_params, vocab_ids, dtype, "a PSM")}
+    params["lm_head"] = out.pop("lm_head")
     if layers_from_target:
         attn = target_params["layers"].get(ATTENTION)
         have = 0 if attn is None else attn["wq"].shape[0]
