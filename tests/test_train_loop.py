@@ -98,6 +98,7 @@ def test_draft_vocabulary_ids():
         loop.draft_vocab_ids([(ids, mask)], 1, 8, always=(6, 7))
 
 
+@pytest.mark.slow
 def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     """A PSM over a draft vocabulary learns, exports with the target's head shared, loads with the
     head's rows at its ids, and SPD with it commits exactly the autoregressive tokens."""
@@ -131,6 +132,7 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     assert res.token_ids == want and res.stats["accepted"] > 0
 
 
+@pytest.mark.slow
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
     # 4-way data parallel x 2-way model parallel (the target split) against one device: the same sums,
@@ -255,11 +257,11 @@ def test_resume_refuses_another_method(llama):
 
 def test_eagle3_config_matches_the_psm_data():
     """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
-    positions mean equal data."""
+    positions mean equal data (the draft vocabulary is a choice of head, not of data)."""
     import yaml
 
     same = ("model", "sources", "limit", "max_len", "buckets", "batch_size", "grad_accum", "steps", "lr", "warmup",
-            "weight_decay", "clip", "tau", "seed", "heldout", "draft_vocab")
+            "weight_decay", "clip", "tau", "seed", "heldout")
     psm = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-n8.yaml").read_text()))
     e3 = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-eagle3.yaml").read_text()))
     assert e3.method == "eagle3" and psm.method == "psm"
