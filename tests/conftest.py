@@ -78,6 +78,22 @@ def save_hf(model, path: Path) -> Path:
     return path
 
 
+# The tiny-model suite is compile bound (hundreds of small programs): XLA:CPU's backend optimisation is
+# most of each compile and buys nothing at these sizes (tests/test_spd.py on 2 cores: 424 s -> 296 s).
+# Paths compared for exact equality are compiled with the same flags; comparisons against transformers
+# keep their tolerances (tests/tolerances.py), which cover reassociation. Runs that select the real
+# model keep full optimisation: there execution, not compilation, is the cost.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def pytest_configure(config):
+    import re
+
+    # before any test initialises the backend, which reads XLA_FLAGS once (subprocesses inherit it)
+    if not re.search(r"(?<!not )real_model", config.getoption("markexpr") or ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
     """Drop compiled programs after each test module: every live XLA CPU executable holds memory
