@@ -7,14 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import spd_jax
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_second_process_reuses_the_persistent_cache(tiny_ckpt, tmp_path):
     path, _ = tiny_ckpt("llama", False)
     cmd = [sys.executable, "-m", "infer.generate", "--model", str(path), "--mode", "spd", "--n", "2",

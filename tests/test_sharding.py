@@ -41,8 +41,7 @@ def test_schema_is_the_converters_layout(tiny_ckpt, model_type):
     assert [len(a) for a in flat_axes] == [a.ndim for a in jax.tree.leaves(model.params)]
 
 
-@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
-                                        pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_5"])
 def test_tp_greedy_equals_ar(tiny_ckpt, model_type):
     path, _ = tiny_ckpt(model_type, False)
     model = spd_jax.load_model(path)

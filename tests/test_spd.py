@@ -80,8 +80,7 @@ def test_psm_placement_is_lossless(deep, reference, placement):
         spd_jax.generate(deep, PROMPT, 4, method="spd", n=n, psm_layers=1, psm_placement=9)
 
 
-@pytest.mark.parametrize("n,stage_layers,method", [pytest.param(3, [2, 5, 1], "spd", marks=pytest.mark.slow),
-                                                   (4, None, "pipeline")])
+@pytest.mark.parametrize("n,stage_layers,method", [(3, [2, 5, 1], "spd"), (4, None, "pipeline")])
 def test_greedy_equals_autoregressive_qwen3(tiny_ckpt, n, stage_layers, method):
     """Qwen3 shares Llama's code path but for q/k norms and head_dim: a few cases cover it."""
     model = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
@@ -137,7 +136,7 @@ def _pair_counts(model, runs, **kw):
 SAMPLING_PROMPT = [5, 9, 11]
 
 
-@pytest.mark.parametrize("n,draft_vocab", [(2, False), pytest.param(4, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n,draft_vocab", [(2, False), (4, True)])
 def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_path, n, draft_vocab):
     """Seeded runs of SPD (random PSM: its draft for the 2nd token is verified by speculative sampling,
     over n vocabulary shards) give the target's exact joint distribution of the first two tokens

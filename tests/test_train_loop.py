@@ -98,7 +98,6 @@ def test_draft_vocabulary_ids():
         loop.draft_vocab_ids([(ids, mask)], 1, 8, always=(6, 7))
 
 
-@pytest.mark.slow
 def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     """A PSM over a draft vocabulary learns, exports with the target's head shared, loads with the
     head's rows at its ids, and SPD with it commits exactly the autoregressive tokens."""
@@ -132,7 +131,6 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     assert res.token_ids == want and res.stats["accepted"] > 0
 
 
-@pytest.mark.slow
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
     # 4-way data parallel x 2-way model parallel (the target split) against one device: the same sums,
