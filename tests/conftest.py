@@ -115,7 +115,7 @@ SLOW = {
     "test_chain.py::test_sampling_matches_the_target_distribution": "SPD's chi-square test: one verify_sampled",
     "test_train_loop.py::test_loss_decreases": "steps on 8x1 in test_checkpoint_roundtrip_and_resume",
     "test_compile_cache.py::test_second_process_reuses_the_persistent_cache": "a subprocess pair",
-    "test_train_loop.py::test_meshes_give_the_same_losses": "8x1 in test_loss_decreases",
+    "test_train_loop.py::test_meshes_give_the_same_losses": "8x1 steps in test_checkpoint_roundtrip_and_resume",
     "test_train_loop.py::test_draft_vocabulary_trains_saves_and_decodes_exactly": "psm_train draft-vocabulary case",
     "test_train_loop.py::test_eagle3_trains_through_the_same_step": "test_chain's EAGLE-3 loss and identity tests",
 }
