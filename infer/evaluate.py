@@ -28,7 +28,6 @@ import gzip
 import json
 import logging
 import sys
-import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -118,58 +117,6 @@ def pooled(rows: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- projections (the cost model)
-# The EAGLE-3 round's cost is counted here until spd_jax.pipeline.costs takes it (it counts SPD's cycle).
-
-def eagle3_round_costs(cfg, k: int, context: int, draft_vocab: int = 0, param_bytes: int = 2) -> dict:
-    """The parts of one chain round of the EAGLE-3-style drafter on one device (`decode.chain` with
-    `drafters.eagle3.Eagle3Drafter`), as FLOPs and bytes: {part: [[LayerCost]]}, each inner list one
-    launch. Not a measurement: `spd_jax.pipeline.costs`'s counting applied to the chain:
-    - "draft": k drafter steps on one row: the first is the head on the verified row's output, each later
-      one the drafter's decoder layer then its head (k heads, k - 1 layer rows);
-    - "target": one target pass over the k + 1 positions (embedding, every layer and the head on k + 1
-      rows; weights and caches read once, FLOPs times k + 1);
-    - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
-    The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
-    from spd_jax.config import ATTENTION
-    from spd_jax.drafters import eagle3
-    from spd_jax.models import schema
-    from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost
-
-    H, rows, pb = cfg.hidden_size, k + 1, param_bytes
-    m = len(eagle3.default_layers(cfg.num_layers))
-    wide = eagle3.layer_schema(cfg)
-    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
-    extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
-
-    def drafter_layer(r):
-        c = kind_cost(cfg, ATTENTION, context, pb, pb, r)
-        return dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
-                                   weight_bytes=c.weight_bytes + extra * pb)
-
-    def times(c, r):  # a head or an embedding on r rows: FLOPs and activations r times, weights once
-        return dataclasses.replace(c, flops=c.flops * r, state_bytes=c.state_bytes * r)
-
-    d_head = head_cost(cfg, pb, draft_vocab or cfg.vocab_size)
-    fc = LayerCost("eagle3_fc", m * H * H, 2 * m * H * H * rows, m * H * H * pb, rows * m * H * pb)
-    target = [times(embed_cost(cfg, pb), rows), *[kind_cost(cfg, kind, context, pb, pb, rows) for kind in
-                                                  cfg.layer_types], times(head_cost(cfg, pb), rows)]
-    return dict(draft=[[d_head]] + [[drafter_layer(1), d_head]] * (k - 1), target=[target],
-                commit=[[fc, drafter_layer(rows)]])
-
-
-def project_eagle3(cfg, k: int, hw, context: int, tokens_per_round: float, draft_vocab: int = 0,
-                   param_bytes: int = 2) -> dict:
-    """Projected seconds of one chain round on `hw` per part, and the wall-clock speedup over `ar` at the
-    measured tokens per round: tokens_per_round * t_ar / t_round, t_ar counted as `costs.predict` counts it."""
-    from spd_jax.models.costs import embed_cost, head_cost, layer_costs
-
-    parts = {name: sum(hw.part_s(p) for p in ps)
-             for name, ps in eagle3_round_costs(cfg, k, context, draft_vocab, param_bytes).items()}
-    t_ar = hw.part_s([embed_cost(cfg, param_bytes), *layer_costs(cfg, context, param_bytes, param_bytes),
-                      head_cost(cfg, param_bytes)])
-    t_round = sum(parts.values())
-    return dict(parts_s=parts, round_s=t_round, ar_step_s=t_ar, speedup=tokens_per_round * t_ar / t_round)
-
 
 PROFILES = ("H200", "TPU")  # the projection columns: costs.H200_NVLINK and costs.TPU_V5E_ICI
 
@@ -178,7 +125,7 @@ def project(table: list[dict], cfg) -> None:
     """Add each table row's projected wall-clock speedup over `ar` and its projected cycle by part on the
     H200-like and TPU-like profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
     measured alpha, stage plan and PSM device (`costs.predict`: busiest device + collectives); tp and
-    pipeline from `costs.predict` at n; eagle3 from `project_eagle3` at its measured tokens per round;
+    pipeline from `costs.predict` at n; eagle3 from `costs.predict_eagle3` at its measured tokens per round;
     ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
     from spd_jax.drafters import eagle3
     from spd_jax.drafters.psm import PSMConfig, read_spec
@@ -191,12 +138,12 @@ def project(table: list[dict], cfg) -> None:
         t["proj"] = {}
         for name, hw in hws.items():
             if t["method"] == "ar":
-                step_s = project_eagle3(cfg, 1, hw, ctx, 1.0)["ar_step_s"]
+                step_s = costs.ar_step_s(cfg, hw, ctx)
                 t["proj"][name] = dict(speedup=1.0, parts_s=dict(step=step_s))
             elif t["method"] == "eagle3":
                 label = t.get("drafter_spec")
                 dv = eagle3.read_spec(label).draft_vocab if label not in (None, "random", "given") else 0
-                p = project_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
+                p = costs.predict_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
                 t["proj"][name] = dict(speedup=p["speedup"], parts_s=p["parts_s"])
             else:
                 plan = (StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else

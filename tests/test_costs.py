@@ -197,3 +197,16 @@ def test_psm_and_embedding_params_match_the_loaded_weights(tiny_ckpt, tie):
         held = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(v["params"]))
         costs = psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, rows=3, context_len=10)
         assert sum(c.params for c in costs) == held, draft_vocab
+
+
+def test_eagle3_round_projection():
+    """One chain round on one device: drafts cost time, so 1 token per round is slower than `ar`, and
+    every draft accepted (k + 1 per round) is faster but below k + 1; a larger k costs more per round."""
+    cfg = ModelConfig.named("qwen3-0.6b")
+    for hw in (cyc.H200_NVLINK, cyc.TPU_V5E_ICI):
+        slow = cyc.predict_eagle3(cfg, 3, hw, 512, 1.0)
+        fast = cyc.predict_eagle3(cfg, 3, hw, 512, 4.0)
+        assert slow["speedup"] < 1 < fast["speedup"] < 4
+        assert set(slow["parts_s"]) == {"draft", "target", "commit"}
+        assert slow["round_s"] > slow["ar_step_s"]  # the k + 1 position pass reads the weights once, plus drafts
+        assert cyc.predict_eagle3(cfg, 7, hw, 512, 1.0)["round_s"] > slow["round_s"]

@@ -1,5 +1,6 @@
 """Per-cycle cost model of SPD on a hardware profile: each device's busy time per cycle, the cycle, and
-the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part.
+the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part; and
+one round of the EAGLE-3-style chain baseline on one device (`predict_eagle3`), counted the same way.
 
 Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema):
 each stage's layers on one token; the embedding (stage 0); the verification head (final norm + LM
@@ -26,8 +27,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from spd_jax.config import ModelConfig
-from spd_jax.models.costs import LayerCost, embed_cost, head_cost, layer_costs, psm_costs
+from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.models import schema
+from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs, psm_costs
 from spd_jax.pipeline.partition import StagePlan, balanced, plan_stages
 
 if TYPE_CHECKING:  # the drafter (Flax) is not needed to count its costs
@@ -258,7 +260,7 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
         alpha = S0 * plan.max_layers / cfg.num_layers
     cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device)
     layers = [c for stage in cc.stages for c in stage]
-    t_ar = hw.part_s([cc.embed, *layers, cc.head])
+    t_ar = ar_step_s(cfg, hw, context, param_bytes)
     compute = t_ar - hw.launch_s  # the roofline is linear in FLOPs and bytes: split n ways, 1/n of it
     t_tp = (compute / n + hw.launch_s + (2 * len(layers) + 1) * hw.all_reduce_s(cc.hidden_bytes, n)
             + hw.all_reduce_s(SCALAR_BYTES, n))
@@ -283,6 +285,58 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
                  "included (ppermute/all-reduce: link latency + bytes/link bandwidth); spd: busiest device + "
                  "the cycle's collectives (greedy choices); tp: 1/n of the compute + all-reduces; excluded: "
                  "prefill, host transfers, sampling's extra scalar reductions, rollback refills (in alpha)")
+
+
+def ar_step_s(cfg: ModelConfig, hw: Hardware, context: int, param_bytes: int = 2) -> float:
+    """`ar`'s step on one device: one token through the embedding, every layer and the head, one program."""
+    return hw.part_s([embed_cost(cfg, param_bytes), *layer_costs(cfg, context, param_bytes, param_bytes),
+                      head_cost(cfg, param_bytes)])
+
+
+def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int = 0,
+                       param_bytes: int = 2) -> dict[str, list[list[LayerCost]]]:
+    """The parts of one chain round of the EAGLE-3-style drafter on one device (`decode.chain` with
+    `drafters.eagle3.Eagle3Drafter`), as FLOPs and bytes: {part: [[LayerCost]]}, each inner list one
+    launch:
+    - "draft": k drafter steps on one row: the first is the head on the verified row's output, each later
+      one the drafter's decoder layer then its head (k heads, k - 1 layer rows);
+    - "target": one target pass over the k + 1 positions (embedding, every layer and the head on k + 1
+      rows; weights and caches read once, FLOPs times k + 1);
+    - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
+    The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
+    from spd_jax.drafters import eagle3  # the drafter layer's weight schema (imports Flax: only when counted)
+
+    H, rows, pb = cfg.hidden_size, k + 1, param_bytes
+    m = len(eagle3.default_layers(cfg.num_layers))
+    wide = eagle3.layer_schema(cfg)
+    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
+    extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
+
+    def drafter_layer(r):
+        c = kind_cost(cfg, ATTENTION, context, pb, pb, r)
+        return dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
+                                   weight_bytes=c.weight_bytes + extra * pb)
+
+    def times(c, r):  # a head or an embedding on r rows: FLOPs and activations r times, weights once
+        return dataclasses.replace(c, flops=c.flops * r, state_bytes=c.state_bytes * r)
+
+    d_head = head_cost(cfg, pb, draft_vocab or cfg.vocab_size)
+    fc = LayerCost("eagle3_fc", m * H * H, 2 * m * H * H * rows, m * H * H * pb, rows * m * H * pb)
+    target = [times(embed_cost(cfg, pb), rows), *[kind_cost(cfg, kind, context, pb, pb, rows) for kind in
+                                                  cfg.layer_types], times(head_cost(cfg, pb), rows)]
+    return dict(draft=[[d_head]] + [[drafter_layer(1), d_head]] * (k - 1), target=[target],
+                commit=[[fc, drafter_layer(rows)]])
+
+
+def predict_eagle3(cfg: ModelConfig, k: int, hw: Hardware, context: int, tokens_per_round: float,
+                   draft_vocab: int = 0, param_bytes: int = 2) -> dict:
+    """Predicted seconds of one EAGLE-3 chain round on `hw` per part (`eagle3_round_costs`), and its
+    wall-clock speedup over `ar` at the measured tokens per round: tokens_per_round * t_ar / t_round."""
+    parts = {name: sum(hw.part_s(p) for p in ps)
+             for name, ps in eagle3_round_costs(cfg, k, context, draft_vocab, param_bytes).items()}
+    t_ar = ar_step_s(cfg, hw, context, param_bytes)
+    t_round = sum(parts.values())
+    return dict(parts_s=parts, round_s=t_round, ar_step_s=t_ar, speedup=tokens_per_round * t_ar / t_round)
 
 
 def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: int = 4,
