@@ -15,7 +15,7 @@ length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens /
 theoretical speedup of a chain drafter).
 
 DIR/results.jsonl gets one row per (benchmark, prompt, method, n or k, T) as it finishes; a rerun skips
-the rows already there. DIR/results.md holds the pooled tables, with the cost model's projected
+the rows already there; DIR/commands.txt lists the commands that made them. DIR/results.md holds the pooled tables, with the cost model's projected
 wall-clock speedup on the H200-like and TPU-like profiles (`spd_jax.pipeline.costs`) at each row's
 measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and DIR/cycle_breakdown.png the plots. Each row
 says what its timing includes.
@@ -81,8 +81,13 @@ def row_key(r: dict) -> tuple:
 
 
 def method_label(t: dict) -> str:
-    """A table row's method, with its chain length for eagle3 ("eagle3 k=3")."""
-    return t["method"] if t.get("k") is None else f"{t['method']} k={t['k']}"
+    """A table row's method, with its chain length for eagle3 ("eagle3 k=3"), and marked where its drafter
+    is untrained (no trained PSM for this n, or --random-psm / --drafter random: S0 then says nothing about
+    a trained one)."""
+    label = t["method"] if t.get("k") is None else f"{t['method']} k={t['k']}"
+    untrained = (t["method"] == "spd" and t.get("psm") == "random") or (
+        t["method"] == "eagle3" and t.get("drafter_spec") == "random")
+    return label + (" (untrained drafter)" if untrained else "")
 
 
 def pooled(rows: list[dict]) -> list[dict]:
@@ -323,6 +328,18 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     return rows
 
 
+def record_command(out: Path, argv: list[str]) -> None:
+    """Append the command that produced (or resumed) OUT's rows to OUT/commands.txt, once per distinct
+    command, so a card or a reader can tell how every row was made (`train.card` prints it)."""
+    import shlex
+
+    path = out / "commands.txt"
+    cmd = "python -m infer.evaluate " + shlex.join(argv)
+    seen = path.read_text().splitlines() if path.is_file() else []
+    if cmd not in seen:
+        path.write_text("".join(f"{c}\n" for c in [*seen, cmd]))
+
+
 def spd_jax_methods() -> tuple[str, ...]:
     from spd_jax.api import METHODS  # imports JAX: only after the CPU devices are requested
 
@@ -389,6 +406,7 @@ def main(argv=None) -> int:
         return 2
     if not leader:
         return 0
+    record_command(out, argv)
     table = pooled(rows)
     project(table, model.config)
     setup = dict(model=model.path.name, max_new_tokens=args.max_new_tokens, limit=args.limit,

@@ -53,8 +53,10 @@ def test_eagle3_card(tmp_path):
     res += [dict(bench="gsm8k", prompt_index=i, method="ar", tokens=10, cycles=10, **common) for i in range(2)]
     res += [dict(bench="gsm8k", prompt_index=0, method="spd", tokens=10, cycles=10, **common)]
     (ev / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
+    (ev / "commands.txt").write_text("python -m infer.evaluate --methods ar,eagle3 --k 3\n")  # infer.evaluate's
     assert card.main(["--run", str(run), "--eval", str(ev), "--drafter", str(d)]) == 0
     text = (d / "CARD.md").read_text()
+    assert "```\npython -m infer.evaluate --methods ar,eagle3 --k 3\n```" in text
     assert text.startswith("# EAGLE-3-style drafter for smollm2-135m-instruct") and "[2, 15, 27]" in text
     assert "over 3 unrolled draft steps" in text and "| 3 | 3,000 | 3 | 1.800 |" in text
     assert "| gsm8k | eagle3 | 3 | 0 | 2 | 20 | 2.000 | 10.0 | 1.00x |" in text and "| spd |" not in text

@@ -38,7 +38,9 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     e3_all = next(t for t in table if t["bench"] == "all" and t["method"] == "eagle3" and t["k"] == 3)
     assert e3_all["S0"] == e3_all["tokens"] / sum(r["cycles"] for r in rows if r.get("k") == 3)
     md = evaluate.results_markdown(table, dict(model="tiny"))
-    assert "| b | spd | 2 | 0 | 2 |" in md and "| b | eagle3 k=7 | 1 | 0 | 2 |" in md
+    # random drafters are marked, so no one reads their S0 as a trained drafter's
+    assert "| b | spd (untrained drafter) | 2 | 0 | 2 |" in md and "| b | eagle3 k=7 (untrained drafter) | 1 | 0 | 2 |" in md
+    assert "| b | pipeline | 2 | 0 | 2 |" in md
     evaluate.project(table, tiny.config)
     md = evaluate.results_markdown(table, dict(model="tiny"))
     assert "proj. H200 | proj. TPU |" in md and "| all | ar | 1 | 0 | 2 |" in md
@@ -74,3 +76,11 @@ def test_known_benchmarks_follow_the_reference_conventions():
     assert len(evaluate.read_benchmark("gsm8k", limit=5)) == 5
     with pytest.raises(FileNotFoundError, match="neither a known one"):
         evaluate.read_benchmark("nope")
+
+
+def test_the_commands_that_made_the_rows_are_recorded(tmp_path):
+    evaluate.record_command(tmp_path, ["--methods", "ar,spd", "--limit", "40"])
+    evaluate.record_command(tmp_path, ["--methods", "eagle3", "--k", "3,7"])
+    evaluate.record_command(tmp_path, ["--methods", "ar,spd", "--limit", "40"])  # a resumed run: once
+    assert (tmp_path / "commands.txt").read_text().splitlines() == [
+        "python -m infer.evaluate --methods ar,spd --limit 40", "python -m infer.evaluate --methods eagle3 --k 3,7"]

@@ -55,7 +55,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "| step | positions | alpha | S0 |", "|---|---|---|---|",
         *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "", "```", eval_cmd, "```", "",
+        "## Evaluation", "", *(["```", eval_cmd, "```", ""] if eval_cmd else []),
         "Greedy (T = 0), first turns, chat template; alpha = committed tokens per cycle and S0 = alpha * L / "
         "(layers of the slowest stage), pooled over prompts as sum(tokens) / sum(cycles).", "",
         "| bench | method | n | T | prompts | tokens | alpha | S0 | tok/s here | vs ar here |",
@@ -110,7 +110,7 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
           for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "", "```", eval_cmd, "```", "",
+        "## Evaluation", "", *(["```", eval_cmd, "```", ""] if eval_cmd else []),
         "Greedy (T = 0) unless stated, first turns, chat template; tokens per round = committed tokens per target "
         "pass (the chain's theoretical speedup), pooled over prompts as sum(tokens) / sum(rounds).", "",
         "| bench | method | k | T | prompts | tokens | tokens per round | tok/s here | vs ar here |",
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory for this PSM")
     ap.add_argument("--psm", "--drafter", dest="psm", required=True,
                     help="the exported drafter directory the card goes into (a PSM's psm/ or an EAGLE-3 drafter/)")
-    ap.add_argument("--eval-command", default="", help="the infer.evaluate command that produced --eval")
+    ap.add_argument("--eval-command", default=None, help="the infer.evaluate commands that produced --eval "
+                                                           "(default: EVAL/commands.txt, which infer.evaluate writes)")
     args = ap.parse_args(argv)
     from infer.evaluate import pooled
 
@@ -151,7 +152,11 @@ def main(argv=None) -> int:
         shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
     try:
         write = eagle3_card_markdown if meta_file.name == "eagle3.json" else card_markdown
-        text = write(run, metrics, psm, pooled(rows), args.eval_command, _dir_mb(psm_dir / "params"))
+        eval_cmd = args.eval_command
+        if eval_cmd is None:
+            cmds = eval_dir / "commands.txt"
+            eval_cmd = cmds.read_text().strip() if cmds.is_file() else ""
+        text = write(run, metrics, psm, pooled(rows), eval_cmd, _dir_mb(psm_dir / "params"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
