@@ -335,3 +335,12 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     r = subprocess.run(common + ["method=psm", "--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode != 0 and "it trained method 'eagle3'; this config trains method 'psm'" in r.stderr
+    # an earlier kept checkpoint (save_every=2: steps 2 and 3) is exported without training, and labelled so
+    r = subprocess.run(common + ["--export", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    early = json.loads((out / "drafter-step2" / "eagle3.json").read_text())["trained"]
+    assert early["steps"] == 2 and early["positions"] == rows[1]["positions"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the run's record is untouched
+    r = subprocess.run(common + ["--resume", "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode != 0 and "is past --steps 2" in r.stderr and "--export STEP" in r.stderr

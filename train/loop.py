@@ -425,6 +425,10 @@ class Checkpoints:
     def latest(self) -> int | None:
         return self.mngr.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The kept checkpoints' steps, ascending."""
+        return sorted(self.mngr.all_steps())
+
     def save(self, step: int, state: dict, meta: dict) -> None:
         a = self.ocp.args
         self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)), force=True)

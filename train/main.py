@@ -9,7 +9,8 @@ command sets up that many host devices itself). key=value overrides any config k
 batch_size=16, stages=3,3,4,4, method=eagle3). Both methods take the same data, batches, optimiser and
 checkpoints. Writes to --out: orbax checkpoints (ckpt/), metrics.jsonl, run.json, curves.png and, at
 the end, the trained drafter: psm/ (`infer.generate --spec`) or, for eagle3, drafter/
-(`infer.generate --mode eagle3 --drafter`).
+(`infer.generate --mode eagle3 --drafter`). `--export [STEP]` writes a kept checkpoint's drafter
+without training (e.g. an earlier step, for a comparison at equal training positions).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, help="total optimiser steps (overrides the config)")
     ap.add_argument("--out", help="run directory (default runs/<config name>)")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    ap.add_argument("--export", nargs="?", const="last", metavar="STEP",
+                    help="write the drafter of the run's checkpoint STEP (default: the last) and exit without "
+                         "training: OUT/psm or OUT/drafter for the last checkpoint, OUT/psm-step<STEP> or "
+                         "OUT/drafter-step<STEP> for an earlier one")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     from spd_jax import distributed
 
@@ -111,22 +116,31 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --mesh {args.mesh} needs {data * model_par} devices; the job has {jax.device_count()} "
                          f"({jax.process_count()} process(es)); on a CPU host --processes P gives each process "
                          "devices / P of them")
-    if ckpts.latest() is not None and not args.resume:
+    if args.resume and args.export:
+        raise SystemExit("error: --resume continues training, --export writes a checkpoint's drafter: pass one")
+    if ckpts.latest() is not None and not (args.resume or args.export):
         raise SystemExit(f"error: {out} already holds a run (step {ckpts.latest()}); pass --resume to continue it "
                          "or --out for a new one")
-    if args.resume:
-        if ckpts.latest() is None:
-            raise SystemExit(f"error: --resume: no checkpoint in {out / 'ckpt'}")
+    restore_step = ckpts.latest()
+    if args.export:
+        restore_step = _export_step(args.export, ckpts, out)
+    elif args.resume and restore_step is not None and restore_step > tc.steps:
+        raise SystemExit(f"error: --resume: the last checkpoint (step {restore_step}) is past --steps {tc.steps}; to "
+                         f"write an earlier step's drafter use --export STEP (kept: {ckpts.all_steps()})")
+    if args.resume or args.export:
+        if restore_step is None:
+            raise SystemExit(f"error: --{'resume' if args.resume else 'export'}: no checkpoint in {out / 'ckpt'}")
         try:
             loop.check_resume(json.loads((out / "run.json").read_text())["identity"], identity)
         except ValueError as e:
-            raise SystemExit(f"error: --resume: {out}: {e}")
+            raise SystemExit(f"error: --{'resume' if args.resume else 'export'}: {out}: {e}")
     if leader:
         out.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["python -m train.main", *argv])
-        run = json.loads((out / "run.json").read_text()) if args.resume else {}
-        run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count(),
-                   commands=run.get("commands", []) + [cmd])
+        run = json.loads((out / "run.json").read_text()) if args.resume or args.export else {}
+        if not args.export:  # an export trains nothing: the run's config stays the training's
+            run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count())
+        run["commands"] = run.get("commands", []) + [cmd]
         (out / "run.json").write_text(json.dumps(run, indent=1))
     if eagle:
         log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
@@ -153,10 +167,14 @@ def main(argv=None) -> int:
                  spec.draft_vocab, model.config.vocab_size, 100 * hits / max(1, sum(int(m.sum()) for _, m in train_set)))
     state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
     start, positions, wall0 = 0, 0, 0.0
-    if args.resume:
-        state, meta = ckpts.restore(ckpts.latest(), jax.eval_shape(lambda: state))
+    if args.resume or args.export:
+        state, meta = ckpts.restore(restore_step, jax.eval_shape(lambda: state))
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
-        log.info("resumed at step %d (%d positions seen)", start, positions)
+        log.info("%s step %d (%d positions seen)", "exporting" if args.export else "resumed at", start, positions)
+    if args.export:
+        final = out / (loop.export_name(spec) + ("" if restore_step == ckpts.latest() else f"-step{restore_step}"))
+        _export(final, _variables(state, frozen), spec, tc, raw, args.mesh, start, positions, wall0)
+        return 0
     step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
     # placed once: each device keeps only its `model` shard of the frozen target; the PSM replicated
     target = put(loop.compute_target(model, tc), loop.target_shardings(model.config, mesh))
@@ -194,27 +212,51 @@ def main(argv=None) -> int:
         if done % tc.save_every == 0 or done == tc.steps:
             ckpts.save(done, state, dict(positions=positions, wall_s=wall))
 
-    variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
-                             _variables(state, frozen))
     final = out / loop.export_name(spec)
-    if leader and final.exists():
+    _export(final, _variables(state, frozen), spec, tc, raw, args.mesh, tc.steps, positions,
+            wall0 + time.perf_counter() - t_start)
+    if leader:
+        loop.plot_curves(metrics_path, out / "curves.png")
+    return 0
+
+
+def _export_step(value: str, ckpts, out: Path) -> int:
+    """--export's STEP: "last" or one of the kept checkpoints' steps."""
+    kept = ckpts.all_steps()
+    if not kept:
+        raise SystemExit(f"error: --export: no checkpoint in {out / 'ckpt'}")
+    if value == "last":
+        return kept[-1]
+    if not value.isdigit() or int(value) not in kept:
+        raise SystemExit(f"error: --export {value}: no such checkpoint in {out / 'ckpt'} (kept: {kept})")
+    return int(value)
+
+
+def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, positions: int, wall_s: float) -> None:
+    """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it."""
+    import jax
+    import jax.numpy as jnp
+
+    from spd_jax import distributed
+    from train import loop
+
+    variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
+                             variables)
+    if distributed.is_leader() and final.exists():
         import shutil
         shutil.rmtree(final)
     distributed.barrier("drafter export")  # no process looks for the directory before it is gone
-    trained = dict(method=tc.method, steps=tc.steps, positions=positions,
-                   wall_s=round(wall0 + time.perf_counter() - t_start, 1), mesh=args.mesh,
+    trained = dict(method=tc.method, steps=step, positions=positions, wall_s=round(wall_s, 1), mesh=mesh,
                    backend=jax.default_backend(), config=raw)
-    if eagle:
+    if tc.method == "eagle3":
         trained.update(ttt_steps=tc.ttt_steps)
     loop.save_drafter(final, variables, spec, dict(trained=trained))
-    if leader:
-        loop.plot_curves(metrics_path, out / "curves.png")
-    if eagle:
-        log.info("trained EAGLE-3 drafter written to %s (use: python -m infer.generate --mode eagle3 --k %d "
-                 "--drafter %s)", final, tc.eval_k, final)
+    if tc.method == "eagle3":
+        log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
+                 "--drafter %s)", step, final, tc.eval_k, final)
     else:
-        log.info("trained PSM written to %s (use: python -m infer.generate --n %d --spec %s)", final, spec.n, final)
-    return 0
+        log.info("PSM (step %d) written to %s (use: python -m infer.generate --n %d --spec %s)", step, final,
+                 spec.n, final)
 
 
 def _variables(state, frozen):
