@@ -365,3 +365,46 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                            "decode_tokens_per_s counts tokens after the first over the decode loop alone"),
     )
     return GenerateResult(tokens, stats)
+
+
+def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int, temperature: float = 0.0,
+                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                   stop_at_eos: bool = True) -> list[list[int]]:
+    """Continue many prompts at once on one device (`decode.ar.generate_batch`): each prompt with up to
+    max_len - len(prompt) new tokens, stopping after EOS (kept), greedy or sampled (row b seeded with
+    seed + b). -> each prompt's generated ids, as `generate(..., method="ar")` would give it alone (up to
+    the matmul's summation order). For bulk generation (self-distillation data); shapes are bucketed as
+    `generate`'s, so batches of similar prompt lengths share one compiled program."""
+    cfg = model.config
+    model._require_layers("generate_batch")
+    rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    if not rows:
+        return []
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    for i, p in enumerate(rows):
+        if p.size == 0 or p.size >= max_len:
+            raise ValueError(f"prompt {i} has {p.size} tokens; each needs 1 to {max_len - 1} (max_len {max_len}) "
+                             "to leave room for a new token")
+        model._check_ids(p)
+    sp = SamplingParams(temperature, top_k, top_p, seed)
+    P = max(p.size for p in rows)
+    p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
+    cache_len = ar.round_up(max(max_len, p_pad), ar.CACHE_BUCKET)
+    out_len = ar.round_up(max_len - min(p.size for p in rows), ar.OUT_BUCKET)
+    batch = np.zeros((len(rows), p_pad), np.int32)
+    for i, p in enumerate(rows):
+        batch[i, :p.size] = p
+    lens = np.asarray([p.size for p in rows], np.int32)
+    eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
+    if "decode_layers" not in model.runtime:
+        model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
+    seeds = (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32)
+    out, counts = ar.generate_batch(model.params, model.runtime["decode_layers"], jnp.asarray(batch),
+                                    jnp.asarray(lens), jnp.asarray(max_len - lens),
+                                    jnp.asarray(eos if eos.size else np.array([-1], np.int32)), sp.runtime(),
+                                    jnp.asarray(seeds), cfg=cfg, greedy=sp.greedy, filtered=sp.filtered,
+                                    cache_len=cache_len, out_len=out_len)
+    out, counts = np.asarray(out), np.asarray(counts)
+    return [out[i, :counts[i]].tolist() for i in range(len(rows))]

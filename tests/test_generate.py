@@ -73,6 +73,24 @@ def test_streaming_sees_every_token_in_order(tiny):
     assert seen == res.token_ids and len(seen) == 12
 
 
+def test_batch_generation_matches_one_sequence_at_a_time(tiny):
+    """generate_batch (per-row prompt lengths, positions, stopping) gives each row what `generate` gives
+    it alone: greedy, sampled (row b seeded seed + b) and stopping at EOS."""
+    model, _ = tiny
+    prompts = [[3, 4, 5], [1, 17, 42, 99, 5, 63, 8, 2, 11], list(range(20, 40))]
+    got = spd_jax.generate_batch(model, prompts, max_len=48, stop_at_eos=False)
+    assert got == [spd_jax.generate(model, p, 48 - len(p), stop_at_eos=False).token_ids for p in prompts]
+    sampled = spd_jax.generate_batch(model, prompts, max_len=40, temperature=1.0, seed=5, stop_at_eos=False)
+    assert sampled == [spd_jax.generate(model, p, 40 - len(p), temperature=1.0, seed=5 + b,
+                                        stop_at_eos=False).token_ids for b, p in enumerate(prompts)]
+    eos = got[1][4]  # a token row 1 emits: that row stops there, the others wherever they meet it
+    stopper = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,)))
+    stopped = spd_jax.generate_batch(stopper, prompts, max_len=48)
+    assert stopped == [spd_jax.generate(stopper, p, 48 - len(p)).token_ids for p in prompts]
+    assert stopped[1][-1] == eos and len(stopped[1]) <= 5
+    with pytest.raises(ValueError, match="prompt 2 has 20 tokens"):
+        spd_jax.generate_batch(model, prompts, max_len=20)
+
 def test_sampling_is_seeded(tiny):
     model, _ = tiny
     a = spd_jax.generate(model, [1, 2, 3], 30, temperature=1.0, seed=11, stop_at_eos=False).token_ids

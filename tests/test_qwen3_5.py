@@ -133,6 +133,10 @@ def test_padded_prefill_stops_the_recurrent_state_at_the_prompt(hybrid):
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=13).tolist()
     greedy = spd_jax.generate(hybrid, ids, max_new_tokens=12, stop_at_eos=False).token_ids  # prompt padded to 64
     assert greedy == cache_free_greedy(hybrid, ids, 12)
+    # batched, each row's recurrent state stops at its own prompt length
+    prompts = [ids, ids[:5], ids[3:]]
+    assert spd_jax.generate_batch(hybrid, prompts, max_len=30, stop_at_eos=False) == [
+        spd_jax.generate(hybrid, p, 30 - len(p), stop_at_eos=False).token_ids for p in prompts]
 
 
 def test_hidden_states_follow_layer_order(hybrid, tiny_ckpt):

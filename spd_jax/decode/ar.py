@@ -101,3 +101,27 @@ def decode_loop(layers, head, first: jax.Array, prompt_len: jax.Array, caches: l
 
     n, _, caches, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, caches, out, done0))
     return out, n, caches
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len", "out_len"))
+def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, max_new: jax.Array,
+                   eos_ids: jax.Array, sp: dict, seeds: jax.Array, *, cfg: ModelConfig, greedy: bool,
+                   filtered: bool, cache_len: int, out_len: int):
+    """B independent sequences in one program: prompts [B, P_pad] (row b valid up to prompt_lens[b]),
+    max_new [B], seeds [B] (sampling) -> (tokens [B, out_len], counts [B]).
+
+    Each row runs exactly `prefill` then `decode_loop` on its own (vmapped: per-row positions, caches
+    and stopping; the loop runs until every row is done, a finished row frozen), so a row's tokens are
+    the ones a batch of one would give, up to the matmul's summation order. For bulk generation on the
+    device (self-distillation data), not latency."""
+    head = {k: v for k, v in params.items() if k != "layers"}
+    statics = dict(cfg=cfg, greedy=greedy, filtered=filtered)
+
+    def one(prompt, plen, n_new, seed):
+        sp_row = dict(sp, seed=seed)
+        first, caches = prefill(params, prompt[None], plen, sp_row, cache_len=cache_len, **statics)
+        out, count, _ = decode_loop(layers, head, first, plen, caches, n_new, eos_ids, sp_row, out_len=out_len,
+                                    stream=False, **statics)
+        return out, count
+
+    return jax.vmap(one)(prompts, prompt_lens, max_new, seeds)
