@@ -44,6 +44,7 @@ from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, psm_ax
 log = logging.getLogger(__name__)
 
 METHODS = ("psm", "eagle3")  # what train.main trains: `method` in the config
+RESPONSES = ("dataset", "target")  # whose responses the drafter learns on: `responses` in the config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,10 @@ class TrainConfig:
     ttt_steps: int = 3
     eval_k: int = 3
     sources: tuple[str, ...] = ("sharegpt", "gsm8k")
+    # "dataset": the conversations' own responses; "target": each first turn answered by the target
+    # (self-distillation, greedy, train/distill.py), built once and cached
+    responses: str = "dataset"
+    distill_batch: int = 32  # prompts per on-device generation batch when building the "target" corpus
     limit: int | None = None  # conversations per source (small runs and tests)
     max_len: int = 512  # longer conversations keep only the whole turns that fit
     buckets: tuple[int, ...] = (128, 256, 512)
@@ -111,6 +116,8 @@ class TrainConfig:
         cfg = cls(**d)
         if cfg.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
+        if cfg.responses not in RESPONSES:
+            raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {cfg.responses!r}")
         if cfg.ttt_steps < 1 or cfg.eval_k < 1:
             raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
         if cfg.max_len > max(cfg.buckets):
@@ -120,11 +127,22 @@ class TrainConfig:
 
 # ---------------------------------------------------------------- data
 
+def corpus_dir() -> Path:
+    """Where tokenised (and regenerated) corpora are cached: $SPD_JAX_CACHE/corpus, else ~/.cache/spd_jax/corpus."""
+    return Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
+
+
 def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached."""
+    """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached;
+    with responses "target", the first turns answered by the target instead (`train.distill`)."""
     from tqdm import tqdm
 
     from train import data
+
+    if tc.responses == "target":
+        from train import distill
+
+        return distill.distilled_corpus(model, tc, cache_dir)
 
     key = hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
                                      model.tokenizer.chat_template]).encode()).hexdigest()[:16]

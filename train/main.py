@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -151,8 +150,7 @@ def main(argv=None) -> int:
                  model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
                  data, model_par, jax.default_backend())
 
-    cache_dir = Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
-    corpus = loop.encode_corpus(model, tc, cache_dir)
+    corpus = loop.encode_corpus(model, tc, loop.corpus_dir())
     train_set, heldout = loop.split_heldout(corpus, tc)
     batches = loop.Batches(train_set, tc)
     log.info("%d training conversations (%d response positions), %d batches per epoch; %d held out",

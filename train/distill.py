@@ -1,0 +1,179 @@
+"""Self-distillation data: the training prompts answered by the target itself.
+
+    python -m train.distill --config configs/train/smollm2-n8.yaml [key=value ...] [--batch 32]
+
+A drafter is judged on the target's own continuations, so it may learn more from them than from the
+dataset's human (or other-model) responses. With `responses: target` in a training config, each
+conversation's first user turn (chat template, generation prompt) is continued by the target, greedily
+and on device in batches (`spd_jax.generate_batch`), until its EOS or max_len tokens in all; the loss
+covers the generated tokens. Later turns are dropped: continuing them would put the dataset's next
+user turn after a reply it never answered. A reply cut by max_len is kept up to it (every position is
+still the target's own token, an exact teacher target; the dataset rule of whole turns only is about
+replies another writer finished).
+
+Generation runs once per (sources, limit, max_len, model, template) and is cached beside the tokenised
+corpus (`corpus-<key>.npz`), in chunks written atomically as they finish, so a killed run resumes at
+the first missing chunk. Greedy tokens can differ between machines in the last bits of a near tie:
+the cache is this machine's. This command only builds the cache (and says what it holds); `train.main`
+with the same config reads it, or builds it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("train.distill")
+
+CHUNK = 256  # prompts per cached chunk: what a killed run loses at most
+
+
+def first_turn_prompts(model, tc) -> list[np.ndarray]:
+    """The chat-templated first user turn (with the generation prompt) of every conversation of
+    tc.sources (tc.limit per source), in corpus order; ones leaving under 16 tokens of room in
+    tc.max_len are skipped."""
+    from train import data
+
+    readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
+    prompts = []
+    for src in tc.sources:
+        if src not in readers:
+            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
+        for i, msgs in enumerate(readers[src]()):
+            if tc.limit is not None and i >= tc.limit:
+                break
+            out = model.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+            ids = np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
+            if len(ids) <= tc.max_len - 16:
+                prompts.append(ids)
+    return prompts
+
+
+def _pack(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
+    off = np.cumsum([0] + [len(i) for i, _ in seqs])
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
+             mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]), offsets=off)
+    tmp.replace(path)  # atomic: a chunk is whole or absent
+
+
+def _unpack(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(path, allow_pickle=False)
+    ids, mask, off = z["ids"], z["mask"], z["offsets"]
+    return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+
+
+def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work: Path | None = None,
+               progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each prompt continued greedily by the target to EOS or max_len tokens in all -> [(ids [T],
+    loss_mask [T])], loss_mask[t] where t + 1 is a generated token. Chunks of CHUNK prompts go to
+    work/chunk-<i>.npz as they finish and are reused; within a chunk, prompts of similar length share a
+    batch (less padding, fewer compiled shapes)."""
+    import spd_jax
+    from tqdm import tqdm
+
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    bar = tqdm(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not progress,
+               mininterval=1.0 if sys.stderr.isatty() else 60.0)
+    for c in range(0, len(prompts), CHUNK):
+        path = work / f"chunk-{c // CHUNK:05d}.npz" if work is not None else None
+        chunk = prompts[c:c + CHUNK]
+        if path is not None and path.is_file():
+            seqs = _unpack(path)
+        else:
+            seqs = [None] * len(chunk)
+            order = np.argsort([len(p) for p in chunk], kind="stable")
+            for a in range(0, len(order), batch):
+                idx = order[a:a + batch]
+                gen = spd_jax.generate_batch(model, [chunk[i] for i in idx], max_len)
+                for i, g in zip(idx, gen):
+                    p = chunk[i]
+                    mask = np.zeros(len(p) + len(g), bool)
+                    mask[len(p) - 1:len(p) + len(g) - 1] = True
+                    seqs[i] = (np.concatenate([p, np.asarray(g, np.int32)]), mask)
+                bar.update(len(idx))
+            if path is not None:
+                _pack(seqs, path)
+        if path is not None and path.is_file() and bar.n < c + len(chunk):
+            bar.update(c + len(chunk) - bar.n)
+        out += seqs
+    bar.close()
+    return out
+
+
+def corpus_key(model, tc) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
+                                      model.tokenizer.chat_template, "target-greedy-first-turn"]).encode()
+                          ).hexdigest()[:16]
+
+
+def distilled_corpus(model, tc, cache_dir: Path | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The `responses: target` corpus of tc: cached whole (corpus-<key>.npz), else generated (resuming
+    from cache_dir/distill-<key>/'s chunks) and cached."""
+    import jax
+
+    key = corpus_key(model, tc)
+    path = cache_dir / f"corpus-{key}.npz" if cache_dir else None
+    if path is not None and path.is_file():
+        return _unpack(path)
+    if jax.process_count() > 1:
+        raise RuntimeError("responses: target needs its regenerated corpus built once, in one process: run "
+                           f"`python -m train.distill --config <this config>` first (cache: {cache_dir})")
+    prompts = first_turn_prompts(model, tc)
+    work = cache_dir / f"distill-{key}" if cache_dir else None
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+    log.info("regenerating the responses of %d first turns with the target (greedy, up to %d tokens in all, "
+             "batches of %d)", len(prompts), tc.max_len, tc.distill_batch)
+    seqs = regenerate(model, prompts, tc.max_len, tc.distill_batch, work)
+    if path is not None:
+        _pack(seqs, path)
+    return seqs
+
+
+def summary(seqs: list[tuple[np.ndarray, np.ndarray]], eos_ids) -> dict:
+    """What a corpus holds: sequences, response positions, replies that ended with EOS, mean reply."""
+    replies = [int(m.sum()) for _, m in seqs]
+    ended = sum(int(ids[-1] in eos_ids) for ids, _ in seqs)
+    return dict(sequences=len(seqs), response_positions=sum(replies), ended_with_eos=ended,
+                mean_reply_tokens=round(float(np.mean(replies)), 1) if replies else 0.0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.distill", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="a training config (configs/train/); responses=target is implied")
+    ap.add_argument("--batch", type=int, help="prompts per generated batch (default: the config's distill_batch)")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from train import loop
+    from train.main import load_config
+
+    raw = load_config(argparse.Namespace(config=args.config, overrides=args.overrides, steps=None))
+    raw["responses"] = "target"
+    if args.batch is not None:
+        raw["distill_batch"] = args.batch
+    try:
+        tc = loop.TrainConfig.from_dict(raw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import spd_jax
+
+    model = spd_jax.load_model(tc.model)
+    seqs = loop.encode_corpus(model, tc, loop.corpus_dir())
+    print(json.dumps(dict(model=model.path.name, sources=list(tc.sources), max_len=tc.max_len,
+                          **summary(seqs, model.eos_token_ids))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
