@@ -33,7 +33,7 @@ import os
 import statistics
 import time
 
-from tqdm import tqdm
+from spd_jax.progress import progress_bar
 
 PROMPT = "Explain how a bicycle works, step by step."
 SETTLE_S = 0.5
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     _, hf_ids = run_hf()
     same = ours_ids == hf_ids
     ours_wall, ours_dec, hf_wall, stream_s, torch_stream_s, fractions = [], [], [], [], [], []
-    for _ in tqdm(range(args.repeats), desc="alternating runs", disable=args.json):
+    for _ in progress_bar(range(args.repeats), desc="alternating runs", disable=args.json):
         hf_wall.append(run_hf()[0])
         torch_stream_s += run_torch_stream()
         time.sleep(SETTLE_S)

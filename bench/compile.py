@@ -57,12 +57,12 @@ def main(argv=None) -> int:
         args.n = int(args.n)
         return _child(args)
 
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     cases = [(m, int(n) if m != "ar" else 1, int(p)) for m in args.methods.split(",")
              for n in (args.n.split(",") if m != "ar" else ["1"]) for p in args.prompt_lens.split(",")]
     rows = []
-    for method, n, plen in tqdm(cases, desc="compile", unit="case"):
+    for method, n, plen in progress_bar(cases, desc="compile", unit="case"):
         with tempfile.TemporaryDirectory() as cache:
             row = dict(method=method, n=n, prompt_len=plen)
             for phase in ("cold", "cached"):

@@ -118,11 +118,11 @@ CONFIGS = [  # (label, infer.generate flags, pin to one core, processes)
 
 
 def measure(args, prompt_file: Path) -> list[dict]:
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     spec = ["--random-psm"] if args.random_psm else (["--spec", args.spec] if args.spec else [])
     out = []
-    for label, flags, pin, procs in tqdm(CONFIGS, desc="wallclock", unit="config"):
+    for label, flags, pin, procs in progress_bar(CONFIGS, desc="wallclock", unit="config"):
         cmd = [sys.executable, "-m", "infer.generate", "--json", "--model", args.model, "--prompt-file",
                str(prompt_file), "--max-new-tokens", str(args.max_new_tokens), "--no-eos", *flags,
                *(spec if "spd" in flags else [])]

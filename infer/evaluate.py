@@ -278,7 +278,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     import contextlib
 
     import spd_jax
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     path = out / "results.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
@@ -303,7 +303,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     if write:
         out.mkdir(parents=True, exist_ok=True)
     with (path.open("a") if write else contextlib.nullcontext()) as f:
-        for bench, i, p, method, n, k, temp in tqdm(todo, desc="evaluate", unit="run", disable=not progress):
+        for bench, i, p, method, n, k, temp in progress_bar(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
             chain = dict(k=k, drafter_spec=drafter) if method == "eagle3" else {}
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,

@@ -76,11 +76,10 @@ def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work:
     work/chunk-<i>.npz as they finish and are reused; within a chunk, prompts of similar length share a
     batch (less padding, fewer compiled shapes)."""
     import spd_jax
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     out: list[tuple[np.ndarray, np.ndarray]] = []
-    bar = tqdm(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not progress,
-               mininterval=1.0 if sys.stderr.isatty() else 60.0)
+    bar = progress_bar(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not progress)
     for c in range(0, len(prompts), CHUNK):
         path = work / f"chunk-{c // CHUNK:05d}.npz" if work is not None else None
         chunk = prompts[c:c + CHUNK]

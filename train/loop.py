@@ -135,7 +135,7 @@ def corpus_dir() -> Path:
 def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached;
     with responses "target", the first turns answered by the target instead (`train.distill`)."""
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     from train import data
 
@@ -156,7 +156,7 @@ def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list
     for src in tc.sources:
         if src not in readers:
             raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
-        for i, msgs in enumerate(tqdm(readers[src](), desc=f"tokenising {src}", unit="conv")):
+        for i, msgs in enumerate(progress_bar(readers[src](), desc=f"tokenising {src}", unit="conv")):
             if tc.limit is not None and i >= tc.limit:
                 break
             enc = data.encode_conversation(model.tokenizer, msgs, tc.max_len, model.eos_token_ids)

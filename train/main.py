@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from tqdm import tqdm
+    from spd_jax.progress import progress_bar
 
     import spd_jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
                  jax.device_count())
         eval_prompts = []
     t_start = time.perf_counter()
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="train", unit="step", disable=not leader)
+    bar = progress_bar(range(start, tc.steps), initial=start, total=tc.steps, desc="train", unit="step",
+                       disable=not leader)
     for step in bar:
         for micro in range(tc.grad_accum):
             batch = put(batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
