@@ -2,9 +2,6 @@
 that a killed run resumes from; on the real model, the CLI builds the corpus that training reads."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +19,12 @@ def tiny(tiny_ckpt):
 
 
 def test_replies_are_the_targets_and_chunks_resume(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(distill, "CHUNK", 2)
+    monkeypatch.setattr(distill, "CHUNK", 3)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, tiny.config.vocab_size, size=s).astype(np.int32) for s in (5, 12, 3, 9, 20)]
-    seqs = distill.regenerate(tiny, prompts, max_len=40, batch=2, work=tmp_path, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000.npz", "chunk-00001.npz", "chunk-00002.npz"]
+    # lengths out of order within each chunk: batches of similar length are made and undone
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=s).astype(np.int32) for s in (12, 5, 9, 20, 3)]
+    seqs = distill.regenerate(tiny, prompts, max_len=40, batch=2, work=tmp_path, show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000.npz", "chunk-00001.npz"]
     for p, (ids, mask) in zip(prompts, seqs):
         reply = spd_jax.generate(tiny, p.tolist(), 40 - len(p)).token_ids
         assert ids.tolist() == p.tolist() + reply and len(ids) <= 40
@@ -37,9 +35,14 @@ def test_replies_are_the_targets_and_chunks_resume(tiny, tmp_path, monkeypatch):
     real = spd_jax.generate_batch
     monkeypatch.setattr(spd_jax, "generate_batch", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     (tmp_path / "chunk-00001.npz").unlink()  # a run killed before its second chunk was written
-    again = distill.regenerate(tiny, prompts, max_len=40, batch=2, work=tmp_path, progress=False)
+    again = distill.regenerate(tiny, prompts, max_len=40, batch=2, work=tmp_path, show_progress=False)
     assert calls == [2]  # only the missing chunk's two prompts are generated again
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(seqs, again))
+    # a chunk cached for other prompts (a changed dataset) is not reused
+    calls.clear()
+    other = [prompts[1], prompts[0], prompts[2], *prompts[3:]]
+    swapped = distill.regenerate(tiny, other, max_len=40, batch=2, work=tmp_path, show_progress=False)
+    assert calls == [2, 1] and np.array_equal(swapped[0][0], seqs[1][0])
 
 
 def test_responses_must_be_known():
@@ -48,18 +51,24 @@ def test_responses_must_be_known():
 
 
 @pytest.mark.real_model
-def test_cli_builds_the_corpus_training_reads(smollm2, tmp_path):
+def test_cli_builds_the_corpus_training_reads(smollm2, tmp_path, monkeypatch, capsys):
     """`train.distill` regenerates GSM8K first turns with SmolLM2 (batched, greedy) into the cache;
-    `encode_corpus` with responses=target reads it back; a reply equals the target's own greedy reply."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", SPD_JAX_CACHE=str(tmp_path))
+    `encode_corpus` with responses=target reads it back (no generation); a reply equals the target's own
+    greedy reply."""
+    monkeypatch.setattr(loop, "corpus_dir", lambda: tmp_path / "corpus")
     args = ["--config", str(ROOT / "configs/train/smollm2-n8.yaml"), "sources=[gsm8k]", "limit=6", "max_len=160",
             "--batch", "4"]
-    r = subprocess.run([sys.executable, "-m", "train.distill", *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert distill.main(args) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["sequences"] == 6 and stats["response_positions"] > 6 and stats["max_len"] == 160
     tc = loop.TrainConfig.from_dict(dict(sources=["gsm8k"], limit=6, max_len=160, buckets=[160], responses="target"))
+    key = loop.corpus_key(smollm2, tc, "target-greedy-first-turn", distill.MIN_ROOM)
+    assert (tmp_path / "corpus" / f"corpus-{key}.npz").is_file()
+
+    def no_generation(*a, **k):
+        raise AssertionError("the corpus the CLI built is read, not generated again")
+
+    monkeypatch.setattr(spd_jax, "generate_batch", no_generation)
     seqs = loop.encode_corpus(smollm2, tc, tmp_path / "corpus")
     assert len(seqs) == 6 and sum(int(m.sum()) for _, m in seqs) == stats["response_positions"]
     prompt = distill.first_turn_prompts(smollm2, tc)[0]

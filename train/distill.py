@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -32,86 +31,64 @@ import numpy as np
 log = logging.getLogger("train.distill")
 
 CHUNK = 256  # prompts per cached chunk: what a killed run loses at most
+MIN_ROOM = 16  # a first turn is answered only if it leaves at least this many tokens of max_len
 
 
 def first_turn_prompts(model, tc) -> list[np.ndarray]:
     """The chat-templated first user turn (with the generation prompt) of every conversation of
-    tc.sources (tc.limit per source), in corpus order; ones leaving under 16 tokens of room in
+    tc.sources (tc.limit per source), in corpus order; ones leaving under MIN_ROOM tokens of
     tc.max_len are skipped."""
-    from train import data
+    from train import loop
 
-    readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
     prompts = []
-    for src in tc.sources:
-        if src not in readers:
-            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
-        for i, msgs in enumerate(readers[src]()):
-            if tc.limit is not None and i >= tc.limit:
-                break
-            out = model.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
-            ids = np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
-            if len(ids) <= tc.max_len - 16:
-                prompts.append(ids)
+    for _, msgs in loop.conversations(tc):
+        out = model.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+        ids = np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
+        if len(ids) <= tc.max_len - MIN_ROOM:
+            prompts.append(ids)
     return prompts
 
 
-def _pack(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
-    off = np.cumsum([0] + [len(i) for i, _ in seqs])
-    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
-             mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]), offsets=off)
-    tmp.replace(path)  # atomic: a chunk is whole or absent
-
-
-def _unpack(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    z = np.load(path, allow_pickle=False)
-    ids, mask, off = z["ids"], z["mask"], z["offsets"]
-    return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+def _chunk_matches(seqs, chunk) -> bool:
+    """A cached chunk belongs to these prompts (a changed dataset or filter regenerates it)."""
+    return len(seqs) == len(chunk) and all(np.array_equal(ids[:len(p)], p) for (ids, _), p in zip(seqs, chunk))
 
 
 def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work: Path | None = None,
-               progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+               show_progress: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each prompt continued greedily by the target to EOS or max_len tokens in all -> [(ids [T],
     loss_mask [T])], loss_mask[t] where t + 1 is a generated token. Chunks of CHUNK prompts go to
-    work/chunk-<i>.npz as they finish and are reused; within a chunk, prompts of similar length share a
-    batch (less padding, fewer compiled shapes)."""
+    work/chunk-<i>.npz as they finish and are reused when they hold these prompts; within a chunk,
+    prompts of similar length share a batch (less padding, fewer compiled shapes)."""
     import spd_jax
     from spd_jax.progress import progress_bar
+    from train import loop
 
     out: list[tuple[np.ndarray, np.ndarray]] = []
-    bar = progress_bar(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not progress)
+    bar = progress_bar(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not show_progress)
     for c in range(0, len(prompts), CHUNK):
         path = work / f"chunk-{c // CHUNK:05d}.npz" if work is not None else None
         chunk = prompts[c:c + CHUNK]
-        if path is not None and path.is_file():
-            seqs = _unpack(path)
-        else:
-            seqs = [None] * len(chunk)
-            order = np.argsort([len(p) for p in chunk], kind="stable")
-            for a in range(0, len(order), batch):
-                idx = order[a:a + batch]
-                gen = spd_jax.generate_batch(model, [chunk[i] for i in idx], max_len)
-                for i, g in zip(idx, gen):
-                    p = chunk[i]
-                    mask = np.zeros(len(p) + len(g), bool)
-                    mask[len(p) - 1:len(p) + len(g) - 1] = True
-                    seqs[i] = (np.concatenate([p, np.asarray(g, np.int32)]), mask)
-                bar.update(len(idx))
-            if path is not None:
-                _pack(seqs, path)
-        if path is not None and path.is_file() and bar.n < c + len(chunk):
-            bar.update(c + len(chunk) - bar.n)
+        cached = loop.load_sequences(path) if path is not None and path.is_file() else None
+        if cached is not None and _chunk_matches(cached, chunk):
+            out += cached
+            bar.update(len(chunk))
+            continue
+        seqs = [None] * len(chunk)
+        order = np.argsort([len(p) for p in chunk], kind="stable")
+        for a in range(0, len(order), batch):
+            idx = order[a:a + batch]
+            for i, g in zip(idx, spd_jax.generate_batch(model, [chunk[i] for i in idx], max_len)):
+                p = chunk[i]
+                mask = np.zeros(len(p) + len(g), bool)
+                mask[len(p) - 1:len(p) + len(g) - 1] = True
+                seqs[i] = (np.concatenate([p, np.asarray(g, np.int32)]), mask)
+            bar.update(len(idx))
+        if path is not None:
+            loop.save_sequences(seqs, path)
         out += seqs
     bar.close()
     return out
-
-
-def corpus_key(model, tc) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
-                                      model.tokenizer.chat_template, "target-greedy-first-turn"]).encode()
-                          ).hexdigest()[:16]
 
 
 def distilled_corpus(model, tc, cache_dir: Path | None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -119,22 +96,22 @@ def distilled_corpus(model, tc, cache_dir: Path | None) -> list[tuple[np.ndarray
     from cache_dir/distill-<key>/'s chunks) and cached."""
     import jax
 
-    key = corpus_key(model, tc)
+    from train import loop
+
+    key = loop.corpus_key(model, tc, "target-greedy-first-turn", MIN_ROOM)
     path = cache_dir / f"corpus-{key}.npz" if cache_dir else None
     if path is not None and path.is_file():
-        return _unpack(path)
+        return loop.load_sequences(path)
     if jax.process_count() > 1:
         raise RuntimeError("responses: target needs its regenerated corpus built once, in one process: run "
                            f"`python -m train.distill --config <this config>` first (cache: {cache_dir})")
     prompts = first_turn_prompts(model, tc)
-    work = cache_dir / f"distill-{key}" if cache_dir else None
-    if work is not None:
-        work.mkdir(parents=True, exist_ok=True)
     log.info("regenerating the responses of %d first turns with the target (greedy, up to %d tokens in all, "
              "batches of %d)", len(prompts), tc.max_len, tc.distill_batch)
-    seqs = regenerate(model, prompts, tc.max_len, tc.distill_batch, work)
+    seqs = regenerate(model, prompts, tc.max_len, tc.distill_batch,
+                      cache_dir / f"distill-{key}" if cache_dir else None)
     if path is not None:
-        _pack(seqs, path)
+        loop.save_sequences(seqs, path)
     return seqs
 
 

@@ -132,6 +132,42 @@ def corpus_dir() -> Path:
     return Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
 
 
+def corpus_key(model, tc: TrainConfig, *extra) -> str:
+    """The cache name of tc's corpus for `model`: what its sequences depend on (`extra`: more of it)."""
+    return hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
+                                      model.tokenizer.chat_template, *extra]).encode()).hexdigest()[:16]
+
+
+def conversations(tc: TrainConfig):
+    """(source, chat messages) of every conversation of tc.sources, tc.limit per source, in corpus order."""
+    from train import data
+
+    readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
+    for src in tc.sources:
+        if src not in readers:
+            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
+        for i, msgs in enumerate(readers[src]()):
+            if tc.limit is not None and i >= tc.limit:
+                break
+            yield src, msgs
+
+
+def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
+    """[(ids [T], mask [T])] -> one npz, written atomically (processes of one job may write side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    off = np.cumsum([0] + [len(i) for i, _ in seqs])
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
+             mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]), offsets=off)
+    tmp.replace(path)
+
+
+def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(path, allow_pickle=False)
+    ids, mask, off = z["ids"], z["mask"], z["offsets"]
+    return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+
+
 def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached;
     with responses "target", the first turns answered by the target instead (`train.distill`)."""
@@ -143,32 +179,16 @@ def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list
         from train import distill
 
         return distill.distilled_corpus(model, tc, cache_dir)
-
-    key = hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
-                                     model.tokenizer.chat_template]).encode()).hexdigest()[:16]
-    path = cache_dir / f"corpus-{key}.npz" if cache_dir else None
+    path = cache_dir / f"corpus-{corpus_key(model, tc)}.npz" if cache_dir else None
     if path and path.is_file():
-        z = np.load(path, allow_pickle=False)
-        ids, mask, off = z["ids"], z["mask"], z["offsets"]
-        return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
-    readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
+        return load_sequences(path)
     out = []
-    for src in tc.sources:
-        if src not in readers:
-            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
-        for i, msgs in enumerate(progress_bar(readers[src](), desc=f"tokenising {src}", unit="conv")):
-            if tc.limit is not None and i >= tc.limit:
-                break
-            enc = data.encode_conversation(model.tokenizer, msgs, tc.max_len, model.eos_token_ids)
-            if enc is not None:
-                out.append(enc)
+    for _, msgs in progress_bar(conversations(tc), desc="tokenising", unit="conv"):
+        enc = data.encode_conversation(model.tokenizer, msgs, tc.max_len, model.eos_token_ids)
+        if enc is not None:
+            out.append(enc)
     if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        off = np.cumsum([0] + [len(i) for i, _ in out])
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")  # processes of one job write side by side
-        np.savez(tmp, ids=np.concatenate([i for i, _ in out]), mask=np.concatenate([m for _, m in out]),
-                 offsets=off)
-        tmp.replace(path)
+        save_sequences(out, path)
     return out
 
 
