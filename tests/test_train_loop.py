@@ -339,7 +339,11 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     r = subprocess.run(common + ["--export", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     early = json.loads((out / "drafter-step2" / "eagle3.json").read_text())["trained"]
-    assert early["steps"] == 2 and early["positions"] == rows[1]["positions"]
+    assert early["steps"] == 2 and early["positions"] == rows[1]["positions"] and early["mesh"] == "1x1"
+    # with the draft vocabulary the run trained with (kept beside its checkpoints), not a recomputed one
+    _, v2 = eagle3.load_eagle3(out / "drafter-step2", smollm2.config, smollm2.params)
+    assert np.array_equal(v2["vocab"]["ids"], np.load(out / "draft_vocab.npy"))
+    assert np.array_equal(v2["vocab"]["ids"], v["vocab"]["ids"])
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the run's record is untouched
     r = subprocess.run(common + ["--resume", "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)

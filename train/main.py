@@ -37,7 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--export", nargs="?", const="last", metavar="STEP",
                     help="write the drafter of the run's checkpoint STEP (default: the last) and exit without "
                          "training: OUT/psm or OUT/drafter for the last checkpoint, OUT/psm-step<STEP> or "
-                         "OUT/drafter-step<STEP> for an earlier one")
+                         "OUT/drafter-step<STEP> for an earlier one; the run's recorded config is used")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     from spd_jax import distributed
 
@@ -70,6 +70,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
     raw = load_config(args)
+    out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
+    recorded: dict = {}
+    if args.export:  # the drafter is the run's: exported with the config it trained with, not this command's
+        if not (out / "run.json").is_file():
+            raise SystemExit(f"error: --export: {out / 'run.json'} not found (no training run in {out})")
+        recorded = json.loads((out / "run.json").read_text())
+        raw = recorded["config"]
+        if args.overrides or args.steps is not None:
+            log.warning("--export uses the run's recorded config: ignoring %s", " ".join(
+                args.overrides + ([f"--steps {args.steps}"] if args.steps is not None else [])))
 
     from spd_jax.sharding import parse_mesh, request_cpu_devices
 
@@ -103,7 +113,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {e}")
     if tc.batch_size % data:
         raise SystemExit(f"error: batch_size {tc.batch_size} does not split over {data} data-parallel devices")
-    out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
     mesh = data_model_mesh(data, model_par)
 
     model = spd_jax.load_model(tc.model)
@@ -150,19 +159,33 @@ def main(argv=None) -> int:
                  model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
                  data, model_par, jax.default_backend())
 
-    corpus = loop.encode_corpus(model, tc, loop.corpus_dir())
-    train_set, heldout = loop.split_heldout(corpus, tc)
-    batches = loop.Batches(train_set, tc)
-    log.info("%d training conversations (%d response positions), %d batches per epoch; %d held out",
-             len(train_set), sum(int(m.sum()) for _, m in train_set), len(batches), len(heldout))
+    # The draft vocabulary a run trained with is kept beside its checkpoints, so a resume or an export
+    # reuses it instead of recomputing it from a corpus that may differ (another machine's regenerated
+    # responses, another data file).
+    vocab_file = out / "draft_vocab.npy"
+    stored = (np.load(vocab_file, allow_pickle=False) if spec.draft_vocab and (args.resume or args.export)
+              and vocab_file.is_file() else None)
+    train_set = heldout = batches = None
+    if not args.export or (spec.draft_vocab and stored is None):
+        corpus = loop.encode_corpus(model, tc, loop.corpus_dir())
+        train_set, heldout = loop.split_heldout(corpus, tc)
+    if not args.export:
+        batches = loop.Batches(train_set, tc)
+        log.info("%d training conversations (%d response positions), %d batches per epoch; %d held out",
+                 len(train_set), sum(int(m.sum()) for _, m in train_set), len(batches), len(heldout))
 
     opt = loop.make_optimizer(tc)
     vocab_ids = None
     if spec.draft_vocab:
-        vocab_ids = loop.draft_vocab_ids(train_set, spec.draft_vocab, model.config.vocab_size, model.eos_token_ids)
-        hits = sum(int(np.isin(ids[1:][m[:-1]], vocab_ids).sum()) for ids, m in train_set)
-        log.info("draft vocabulary: %d of %d tokens, covering %.2f%% of the training response tokens",
-                 spec.draft_vocab, model.config.vocab_size, 100 * hits / max(1, sum(int(m.sum()) for _, m in train_set)))
+        vocab_ids = stored if stored is not None else loop.draft_vocab_ids(
+            train_set, spec.draft_vocab, model.config.vocab_size, model.eos_token_ids)
+        if train_set is not None:
+            hits = sum(int(np.isin(ids[1:][m[:-1]], vocab_ids).sum()) for ids, m in train_set)
+            log.info("draft vocabulary: %d of %d tokens, covering %.2f%% of the training response tokens",
+                     spec.draft_vocab, model.config.vocab_size,
+                     100 * hits / max(1, sum(int(m.sum()) for _, m in train_set)))
+        if leader and stored is None:
+            np.save(vocab_file, vocab_ids)
     state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
     start, positions, wall0 = 0, 0, 0.0
     if args.resume or args.export:
@@ -171,7 +194,7 @@ def main(argv=None) -> int:
         log.info("%s step %d (%d positions seen)", "exporting" if args.export else "resumed at", start, positions)
     if args.export:
         final = out / (loop.export_name(spec) + ("" if restore_step == ckpts.latest() else f"-step{restore_step}"))
-        _export(final, _variables(state, frozen), spec, tc, raw, args.mesh, start, positions, wall0)
+        _export(final, _variables(state, frozen), spec, tc, raw, recorded.get("mesh", "?"), start, positions, wall0)
         return 0
     step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
     # placed once: each device keeps only its `model` shard of the frozen target; the PSM replicated
