@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         if leader and (done % tc.log_every == 0 or key in row or done == tc.steps):
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        bar.set_postfix(loss=f"{met['loss']:.3f}", agree=f"{met['agreement']:.3f}",
+        bar.set_postfix(refresh=False, loss=f"{met['loss']:.3f}", agree=f"{met['agreement']:.3f}",
                         pos_s=f"{positions / max(wall, 1e-9):.0f}", **({key: f"{row[key]:.2f}"} if key in row else {}))
         if done % tc.save_every == 0 or done == tc.steps:
             ckpts.save(done, state, dict(positions=positions, wall_s=wall))
