@@ -30,6 +30,13 @@ def test_card_from_run_and_eval_files(tmp_path):
     assert "response positions seen **3,000**" in text and "2.00 h" in text and "1.0 MB" in text
     assert "| 3 | 3,000 | 0.500 | 3.75 |" in text  # the quick eval's S0 curve
     assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 | 10.0 | 1.00x |" in text  # pooled 20/40 * 7.5
+    # an earlier step's export (train.main --export 2) gets that step's figures, not the run's later ones
+    meta = json.loads((psm / "psm.json").read_text())
+    meta["trained"].update(steps=2, positions=2000)
+    (psm / "psm.json").write_text(json.dumps(meta))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert "| 3 | 3,000 |" not in text and "KL 3.750" in text  # the mean of steps 1 and 2: 5.0 and 2.5
 
 
 def test_eagle3_card(tmp_path):

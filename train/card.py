@@ -22,10 +22,30 @@ def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
 
 
+def _up_to(metrics: list[dict], trained: dict) -> list[dict]:
+    """The run's metrics up to the exported step (an earlier step's export: not the run's later steps)."""
+    if trained.get("steps") is not None:
+        metrics = [r for r in metrics if r["step"] <= trained["steps"]]
+    if not metrics:
+        raise ValueError("the run's metrics.jsonl has no step up to the exported one: train at least log_every "
+                         "steps first")
+    return metrics
+
+
+def _data_line(cfg: dict, note: str = "") -> str:
+    sources = ", ".join(cfg.get("sources", []))
+    if cfg.get("responses") == "target":
+        what = (f"the first user turns of {sources} answered by the target itself (self-distillation: greedy, up "
+                f"to {cfg.get('max_len')} tokens in all; train/distill.py), loss on the target's reply tokens")
+    else:
+        what = (f"{sources} (chat template, loss on response tokens only, conversations up to "
+                f"{cfg.get('max_len')} tokens)")
+    return f"- data: {what}{note}; never MT-Bench, GSM8K test or HumanEval prompts"
+
+
 def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float) -> str:
     spec, trained = psm, psm.get("trained", {})
-    if not metrics:
-        raise ValueError("the run's metrics.jsonl is empty: train at least log_every steps first")
+    metrics = _up_to(metrics, trained)
     last = metrics[-10:]
     loss = sum(r["loss"] for r in last) / len(last)
     agree = sum(r["agreement"] for r in last) / len(last)
@@ -42,9 +62,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *run.get("commands", []), "```", "",
-        f"- data: {', '.join(run['config'].get('sources', []))} (chat template, loss on response tokens "
-        f"only, conversations up to {run['config'].get('max_len')} tokens); never MT-Bench, GSM8K test or "
-        "HumanEval prompts",
+        _data_line(run["config"]),
         f"- objective: KL(teacher || PSM) at tau = 1 with the exact train/inference row layout and a simulated "
         f"pipeline fill; AdamW lr {run['config'].get('lr')}, warm-up {run['config'].get('warmup')}, "
         f"batch {run['config'].get('batch_size')} sequences, clip {run['config'].get('clip')}",
@@ -75,8 +93,7 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
     """The card of an EAGLE-3-style drafter (eagle3.json): as `card_markdown`, with tokens per target
     pass (verification round) in place of alpha / S0, and the table's eagle3 rows (ar's for reference)."""
     trained, cfg = meta.get("trained", {}), run["config"]
-    if not metrics:
-        raise ValueError("the run's metrics.jsonl is empty: train at least log_every steps first")
+    metrics = _up_to(metrics, trained)
     last = metrics[-10:]
     loss = sum(r["loss"] for r in last) / len(last)
     agree = sum(r["agreement"] for r in last) / len(last)
@@ -95,9 +112,7 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *run.get("commands", []), "```", "",
-        f"- data: {', '.join(cfg.get('sources', []))} (chat template, loss on response tokens only, conversations "
-        f"up to {cfg.get('max_len')} tokens), the same batches as the PSM's at equal positions; never MT-Bench, "
-        "GSM8K test or HumanEval prompts",
+        _data_line(cfg, ", the same batches as the PSM's at equal positions"),
         f"- objective: KL(teacher || drafter) at tau = 1 over {trained.get('ttt_steps', cfg.get('ttt_steps'))} "
         f"unrolled draft steps (the training-time test); AdamW lr {cfg.get('lr')}, warm-up {cfg.get('warmup')}, "
         f"batch {cfg.get('batch_size')} sequences, clip {cfg.get('clip')}",
