@@ -15,9 +15,9 @@ length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens /
 theoretical speedup of a chain drafter).
 
 DIR/results.jsonl gets one row per (benchmark, prompt, method, n or k, T) as it finishes; a rerun skips
-the rows already there; DIR/commands.txt lists the commands that made them. DIR/results.md holds the pooled tables, with the cost model's projected
-wall-clock speedup on the H200-like and TPU-like profiles (`spd_jax.pipeline.costs`) at each row's
-measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and DIR/cycle_breakdown.png the plots. Each row
+the rows already there; DIR/commands.txt lists the commands that made them. DIR/results.md holds the
+pooled tables, with the cost model's projected wall-clock speedup on the H200-like and TPU-like
+profiles (`spd_jax.pipeline.costs`) at each row's measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and DIR/cycle_breakdown.png the plots. Each row
 says what its timing includes.
 """
 
@@ -329,7 +329,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
 
 
 def record_command(out: Path, argv: list[str]) -> None:
-    """Append the command that produced (or resumed) OUT's rows to OUT/commands.txt, once per distinct
+    """Append a command that writes (or resumes) OUT's rows to OUT/commands.txt, once per distinct
     command, so a card or a reader can tell how every row was made (`train.card` prints it)."""
     import shlex
 
@@ -398,6 +398,9 @@ def main(argv=None) -> int:
         model = spd_jax.load_model(args.model)
         benches = {b: read_benchmark(b, args.limit) for b in args.bench}
         out = Path(args.out)
+        if leader:  # before any row, so a killed run's rows have their command too
+            out.mkdir(parents=True, exist_ok=True)
+            record_command(out, argv)
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
                         args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter)
@@ -406,7 +409,6 @@ def main(argv=None) -> int:
         return 2
     if not leader:
         return 0
-    record_command(out, argv)
     table = pooled(rows)
     project(table, model.config)
     setup = dict(model=model.path.name, max_new_tokens=args.max_new_tokens, limit=args.limit,
