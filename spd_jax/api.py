@@ -372,7 +372,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
                    stop_at_eos: bool = True) -> list[list[int]]:
     """Continue many prompts at once on one device (`decode.ar.generate_batch`): each prompt with up to
     max_len - len(prompt) new tokens, stopping after EOS (kept), greedy or sampled (row b seeded with
-    seed + b). -> each prompt's generated ids, as `generate(..., method="ar")` would give it alone (up to
+    seed + b: calls meant to draw independently step seed by the batch size). -> each prompt's generated ids, as `generate(..., method="ar")` would give it alone (up to
     the matmul's summation order). For bulk generation (self-distillation data); shapes are bucketed as
     `generate`'s, so batches of similar prompt lengths share one compiled program."""
     cfg = model.config
@@ -392,7 +392,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     P = max(p.size for p in rows)
     p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
     cache_len = ar.round_up(max(max_len, p_pad), ar.CACHE_BUCKET)
-    out_len = ar.round_up(max_len - min(p.size for p in rows), ar.OUT_BUCKET)
+    out_len = ar.round_up(max_len - 1, ar.OUT_BUCKET)  # per-row max_new bounds the loop: one shape per max_len
     batch = np.zeros((len(rows), p_pad), np.int32)
     for i, p in enumerate(rows):
         batch[i, :p.size] = p

@@ -91,6 +91,7 @@ def test_batch_generation_matches_one_sequence_at_a_time(tiny):
     with pytest.raises(ValueError, match="prompt 2 has 20 tokens"):
         spd_jax.generate_batch(model, prompts, max_len=20)
 
+
 def test_sampling_is_seeded(tiny):
     model, _ = tiny
     a = spd_jax.generate(model, [1, 2, 3], 30, temperature=1.0, seed=11, stop_at_eos=False).token_ids
