@@ -110,18 +110,40 @@ def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, m
     """B independent sequences in one program: prompts [B, P_pad] (row b valid up to prompt_lens[b]),
     max_new [B], seeds [B] (sampling) -> (tokens [B, out_len], counts [B]).
 
-    Each row runs exactly `prefill` then `decode_loop` on its own (vmapped: per-row positions, caches
-    and stopping; the loop runs until every row is done, a finished row frozen), so a row's tokens are
-    the ones a batch of one would give, up to the matmul's summation order. For bulk generation on the
-    device (self-distillation data), not latency."""
+    Each row runs `prefill` and then `decode_loop`'s step on its own cache and position (vmapped per
+    step), so its tokens are the ones a batch of one would give, up to the matmul's summation order.
+    The loop is written out rather than vmapped whole: a vmapped while_loop freezes finished rows by
+    selecting every carry, caches included, at every step (a full copy of all caches per token); here
+    finished rows keep stepping on garbage and only their outputs are masked. For bulk generation on
+    the device (self-distillation data), not latency."""
     head = {k: v for k, v in params.items() if k != "layers"}
-    statics = dict(cfg=cfg, greedy=greedy, filtered=filtered)
 
-    def one(prompt, plen, n_new, seed):
-        sp_row = dict(sp, seed=seed)
-        first, caches = prefill(params, prompt[None], plen, sp_row, cache_len=cache_len, **statics)
-        out, count, _ = decode_loop(layers, head, first, plen, caches, n_new, eos_ids, sp_row, out_len=out_len,
-                                    stream=False, **statics)
-        return out, count
+    def prefill_row(prompt, plen, seed):
+        return prefill(params, prompt[None], plen, dict(sp, seed=seed), cfg=cfg, greedy=greedy, filtered=filtered,
+                       cache_len=cache_len)
 
-    return jax.vmap(one)(prompts, prompt_lens, max_new, seeds)
+    def step_row(tok, caches, pos, seed):
+        logits, caches = decoder.decode_step(layers, head, tok.reshape(1, 1), caches, pos, cfg)
+        return choose(logits[0, 0], pos + 1, dict(sp, seed=seed), greedy, filtered), caches
+
+    first, caches = jax.vmap(prefill_row)(prompts, prompt_lens, seeds)  # [B], per-row caches
+    B = prompts.shape[0]
+    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids) | (max_new <= 1)
+
+    def cond(c):
+        i, _, _, _, done, _ = c
+        return (i < out_len) & ~jnp.all(done)
+
+    def body(c):
+        i, tok, caches, out, done, count = c
+        pos = jnp.minimum(prompt_lens + i - 1, cache_len - 1)  # finished rows: clamped, their output unused
+        nxt, caches = jax.vmap(step_row)(tok, caches, pos, seeds)
+        live = ~done
+        out = out.at[:, i].set(jnp.where(live, nxt, 0))
+        done = done | jnp.isin(nxt, eos_ids) | (i + 1 >= max_new)
+        return i + 1, nxt, caches, out, done, count + live
+
+    _, _, _, out, _, count = jax.lax.while_loop(cond, body, (jnp.int32(1), first, caches, out, done,
+                                                             jnp.ones((B,), jnp.int32)))
+    return out, count
