@@ -86,6 +86,10 @@ def test_batch_generation_matches_one_sequence_at_a_time(tiny):
     stopped = spd_jax.generate_batch(stopper, prompts, max_len=48)
     assert stopped == [spd_jax.generate(stopper, p, 48 - len(p)).token_ids for p in prompts]
     assert stopped[1][-1] == eos and len(stopped[1]) <= 5
+    first = spd_jax.generate(model, prompts[0], 1).token_ids[0]  # row 0 is finished by its first token
+    starter = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(first,)))
+    started = spd_jax.generate_batch(starter, prompts, max_len=48)
+    assert started[0] == [first] and started == [spd_jax.generate(starter, p, 48 - len(p)).token_ids for p in prompts]
     with pytest.raises(ValueError, match="prompt 2 has 20 tokens"):
         spd_jax.generate_batch(model, prompts, max_len=20)
 

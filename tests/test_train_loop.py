@@ -335,15 +335,23 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     r = subprocess.run(common + ["method=psm", "--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode != 0 and "it trained method 'eagle3'; this config trains method 'psm'" in r.stderr
-    # an earlier kept checkpoint (save_every=2: steps 2 and 3) is exported without training, and labelled so
-    r = subprocess.run(common + ["--export", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # an earlier kept checkpoint (save_every=2: steps 2 and 3) is exported without training, and labelled so,
+    # with what the run recorded (its mesh, its draft vocabulary), not what this command says or recomputes
+    assert np.array_equal(np.load(out / "draft_vocab.npy"), v["vocab"]["ids"])
+    run_json = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps(dict(run_json, mesh="2x1")))
+    ids = v["vocab"]["ids"]
+    missing = np.setdiff1d(np.arange(smollm2.config.vocab_size), ids)[0]
+    other = np.sort(np.append(ids[ids != ids.max()], missing)).astype(np.int32)  # one id swapped for another
+    np.save(out / "draft_vocab.npy", other)  # stands for ids that today's corpus would no longer give
+    r = subprocess.run(common + ["--export", "2", "limit=8"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "--export uses the run's recorded config: ignoring" in r.stderr and "limit=8" in r.stderr
     early = json.loads((out / "drafter-step2" / "eagle3.json").read_text())["trained"]
-    assert early["steps"] == 2 and early["positions"] == rows[1]["positions"] and early["mesh"] == "1x1"
-    # with the draft vocabulary the run trained with (kept beside its checkpoints), not a recomputed one
+    assert early["steps"] == 2 and early["positions"] == rows[1]["positions"] and early["mesh"] == "2x1"
     _, v2 = eagle3.load_eagle3(out / "drafter-step2", smollm2.config, smollm2.params)
-    assert np.array_equal(v2["vocab"]["ids"], np.load(out / "draft_vocab.npy"))
-    assert np.array_equal(v2["vocab"]["ids"], v["vocab"]["ids"])
+    assert np.array_equal(v2["vocab"]["ids"], other)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the run's record is untouched
     r = subprocess.run(common + ["--resume", "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)

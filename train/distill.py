@@ -50,8 +50,11 @@ def first_turn_prompts(model, tc) -> list[np.ndarray]:
 
 
 def _chunk_matches(seqs, chunk) -> bool:
-    """A cached chunk belongs to these prompts (a changed dataset or filter regenerates it)."""
-    return len(seqs) == len(chunk) and all(np.array_equal(ids[:len(p)], p) for (ids, _), p in zip(seqs, chunk))
+    """A cached chunk belongs to these prompts (a changed dataset or filter regenerates it): each sequence
+    is its prompt, then a reply whose loss starts at the prompt's last position."""
+    return len(seqs) == len(chunk) and all(
+        np.array_equal(ids[:len(p)], p) and mask[len(p) - 1] and not mask[:len(p) - 1].any()
+        for (ids, mask), p in zip(seqs, chunk))
 
 
 def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work: Path | None = None,
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="a training config (configs/train/); responses=target is implied")
     ap.add_argument("--batch", type=int, help="prompts per generated batch (default: the config's distill_batch)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from train import loop
     from train.main import load_config

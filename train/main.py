@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     from spd_jax import distributed
 
     distributed.add_arguments(ap)
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value overrides may come before and after the options
 
 
 def load_config(args) -> dict:
@@ -165,6 +166,9 @@ def main(argv=None) -> int:
     vocab_file = out / "draft_vocab.npy"
     stored = (np.load(vocab_file, allow_pickle=False) if spec.draft_vocab and (args.resume or args.export)
               and vocab_file.is_file() else None)
+    if stored is not None and stored.shape != (spec.draft_vocab,):
+        raise SystemExit(f"error: {vocab_file} holds {stored.shape[0]} token ids, the run's draft_vocab is "
+                         f"{spec.draft_vocab}: the file is not this run's (restore it, or delete it to recompute)")
     train_set = heldout = batches = None
     if not args.export or (spec.draft_vocab and stored is None):
         corpus = loop.encode_corpus(model, tc, loop.corpus_dir())
@@ -184,8 +188,12 @@ def main(argv=None) -> int:
             log.info("draft vocabulary: %d of %d tokens, covering %.2f%% of the training response tokens",
                      spec.draft_vocab, model.config.vocab_size,
                      100 * hits / max(1, sum(int(m.sum()) for _, m in train_set)))
-        if leader and stored is None:
-            np.save(vocab_file, vocab_ids)
+        if stored is None and args.export:  # a run from before the file: trained with this corpus's, if unchanged
+            log.warning("%s not found: the draft vocabulary is recomputed from today's corpus", vocab_file)
+        elif leader and stored is None:
+            tmp = vocab_file.with_suffix(f".{os.getpid()}.tmp.npy")  # other processes may read it on a resume
+            np.save(tmp, vocab_ids)
+            tmp.replace(vocab_file)
     state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
     start, positions, wall0 = 0, 0, 0.0
     if args.resume or args.export:
