@@ -133,10 +133,11 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
 
 def test_meshes_give_the_same_losses(llama):
     tc, spec, opt = _setup(llama)
-    # 4-way data parallel x 2-way model parallel (the target split) against one device: the same sums,
-    # split over devices and reduced in another order
-    runs = {m: _run(llama, tc, spec, opt, m, 3)[2] for m in ("4x2", "1x1")}
-    assert_close(runs["4x2"], runs["1x1"], CACHED_VS_FULL, what="losses on 4x2 vs 1x1")
+    # 8-way data parallel, and 4-way data x 2-way model parallel (the target split), against one device:
+    # the same sums, split over devices and reduced in another order
+    runs = {m: _run(llama, tc, spec, opt, m, 3)[2] for m in ("8x1", "4x2", "1x1")}
+    for m in ("8x1", "4x2"):
+        assert_close(runs[m], runs["1x1"], CACHED_VS_FULL, what=f"losses on {m} vs 1x1")
     # on 4x2 a device holds half of each MLP matrix and of the vocabulary, and a quarter of a batch
     mesh = data_model_mesh(4, 2)
     target = jax.device_put(llama.params, loop.target_shardings(llama.config, mesh))
