@@ -14,6 +14,9 @@ def test_card_from_run_and_eval_files(tmp_path):
         config=dict(sources=["sharegpt"], max_len=512, lr=3e-4, warmup=100, batch_size=8, clip=1.0))))
     rows = [dict(step=s, positions=1000 * s, loss=5.0 / s, agreement=0.1 * s) for s in range(1, 4)]
     rows[-1] |= dict(alpha=0.5, S0=3.75)
+    rows.append(dict(step=4, positions=4000, loss=1.0, agreement=0.4))  # after the exported step: not in the card
+    for r, wall in zip(rows, (30, 60, 7200, 7230)):  # a pause between steps 2 and 3 does not move the median
+        r["wall_s"] = wall
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (psm / "psm.json").write_text(json.dumps(dict(anchors=[0, 3], num_layers=2, plan=[3, 3, 4, 4, 4, 4, 4, 4],
                                                   target=["llama", 576, 30, 49152, 9, 3], draft_vocab=0,
@@ -23,13 +26,16 @@ def test_card_from_run_and_eval_files(tmp_path):
     common = dict(prompt_tokens=5, wall_s=1.0, timing_includes="x", depth_ratio=7.5, temperature=0.0)
     res = [dict(bench="gsm8k", prompt_index=i, method="spd", n=8, tokens=10, cycles=20, **common) for i in range(2)]
     res += [dict(bench="gsm8k", prompt_index=i, method="ar", n=1, tokens=10, cycles=10, **common) for i in range(2)]
+    res += [dict(bench="gsm8k", prompt_index=0, method="eagle3", k=3, n=1, tokens=10, cycles=5, **common)]
     (ev / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert "n = 8" in text and "python -m train.main --config c.yaml" in text and "EVAL" in text
-    assert "response positions seen **3,000**" in text and "2.00 h" in text and "1.0 MB" in text
+    assert "response positions seen **3,000**" in text and "2.00 h of wall clock" in text and "1.0 MB" in text
+    assert "median 30.0 s per step" in text
     assert "| 3 | 3,000 | 0.500 | 3.75 |" in text  # the quick eval's S0 curve
     assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 | 10.0 | 1.00x |" in text  # pooled 20/40 * 7.5
+    assert "| eagle3 |" not in text  # the other drafter's rows go into its own card
     # an earlier step's export (train.main --export 2) gets that step's figures, not the run's later ones
     meta = json.loads((psm / "psm.json").read_text())
     meta["trained"].update(steps=2, positions=2000)
