@@ -372,9 +372,10 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
                    stop_at_eos: bool = True) -> list[list[int]]:
     """Continue many prompts at once on one device (`decode.ar.generate_batch`): each prompt with up to
     max_len - len(prompt) new tokens, stopping after EOS (kept), greedy or sampled (row b seeded with
-    seed + b: calls meant to draw independently step seed by the batch size). -> each prompt's generated ids, as `generate(..., method="ar")` would give it alone (up to
-    the matmul's summation order). For bulk generation (self-distillation data); shapes are bucketed as
-    `generate`'s, so batches of similar prompt lengths share one compiled program."""
+    seed + b: calls meant to draw independently step seed by the batch size). -> each prompt's generated
+    ids, as `generate(..., method="ar")` would give it alone (up to the matmul's summation order). For
+    bulk generation (self-distillation data); shapes are bucketed as `generate`'s, so batches of similar
+    prompt lengths share one compiled program."""
     cfg = model.config
     model._require_layers("generate_batch")
     rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
