@@ -107,6 +107,8 @@ SLOW = {
     "test_spd.py::test_greedy_equals_autoregressive[qwen3_5-spd-4-None]": "Qwen3.5 SPD at n=3 (mixed stages)",
     "test_spd.py::test_greedy_equals_autoregressive[llama-spd-4-stage_layers5]": "uneven plan [1, 4, 3] at n=3",
     "test_spd.py::test_greedy_equals_autoregressive[qwen3_5-pipeline-8-None]": "llama pipeline at n=8",
+    "test_spd.py::test_greedy_equals_autoregressive[llama-spd-2-None]": "SPD at n=2 in the sampling test",
+    "test_spd.py::test_greedy_equals_autoregressive[llama-pipeline-2-None]": "pipeline at n=8 and [3, 1, 1, 3]",
     "test_spd.py::test_psm_placement_is_lossless[llama-0]": "the own-device case moves the PSM further",
     "test_spd.py::test_psm_placement_is_lossless[qwen3_5-own]": "llama case (placement ignores layer kinds)",
     "test_spd.py::test_oracle_drafter_reaches_the_ideal_alpha[qwen3_5-2]": "Qwen3.5 at n=4, 8",
