@@ -1,15 +1,16 @@
 """Throughput of spd_jax.generate_batch against spd_jax.generate called once per prompt, side by side.
 
     python -m bench.generate_batch [--model smollm2-135m-instruct] [--batch 1,8,32] [--new-tokens 64]
-                                   [--bench mt_bench] [--repeats 3]
+                                   [--bench mt_bench] [--repeats 3] [--json]
 
 The bulk-generation question (self-distillation data, train/distill.py): does continuing B prompts in one
 on-device program beat B calls of the single-sequence decoder on this machine? For each batch size B,
-the first B first-turn prompts of --bench (chat template) are continued greedily, EOS ignored, in float32:
-  batch_tokens_per_s    tokens generated / wall time of one generate_batch call; its one max_len (the
-                        longest prompt + --new-tokens) lets shorter prompts' rows run past --new-tokens,
-                        and those tokens count, as the loop computes them
-  single_tokens_per_s   B * --new-tokens / wall time of B generate calls, one after another
+the first B first-turn prompts of --bench (chat template) are continued greedily, EOS ignored, in float32,
+to one max_len (the longest prompt + --new-tokens, generate_batch's one length), so each row gets
+max_len - its prompt's length new tokens, and each single call is given exactly that many: both paths
+make the same tokens at the same contexts.
+  batch_tokens_per_s    tokens / wall time of one generate_batch call
+  single_tokens_per_s   tokens / wall time of B generate calls, one after another
   ratio                 batch / single: what batching buys here
 Both wall times include host dispatch and the final copy of the tokens to the host; compilation is
 excluded by a warm-up call of each path with the same shapes. Runs alternate between the paths and the
@@ -53,31 +54,33 @@ def main(argv=None) -> int:
         ap.error(f"--bench {args.bench} holds {len(prompts)} prompts, fewer than the largest batch {max(sizes)}")
     n = args.new_tokens
 
-    def run_batch(ps):
+    def run_batch(ps, max_len):
         t0 = time.perf_counter()
-        out = spd_jax.generate_batch(model, ps, max(len(p) for p in ps) + n, stop_at_eos=False)
-        return time.perf_counter() - t0, [o[:n] for o in out], sum(len(o) for o in out)
+        out = spd_jax.generate_batch(model, ps, max_len, stop_at_eos=False)
+        return time.perf_counter() - t0, out
 
-    def run_single(ps):
+    def run_single(ps, max_len):
         t0 = time.perf_counter()
-        out = [spd_jax.generate(model, p, max_new_tokens=n, stop_at_eos=False).token_ids for p in ps]
+        out = [spd_jax.generate(model, p, max_new_tokens=max_len - len(p), stop_at_eos=False).token_ids for p in ps]
         return time.perf_counter() - t0, out
 
     results = []
     for b in progress_bar(sizes, desc="batch sizes", disable=args.json):
         ps = prompts[:b]
-        run_batch(ps)  # warm-up: compiles this batch's shapes
-        run_single(ps)
+        max_len = max(len(p) for p in ps) + n
+        run_batch(ps, max_len)  # warm-up: compiles this batch's shapes
+        run_single(ps, max_len)
         batch_s, single_s = [], []
         for _ in range(args.repeats):
-            t, single_out = run_single(ps)
+            t, single_out = run_single(ps, max_len)
             single_s.append(t)
-            t, batch_out, generated = run_batch(ps)
+            t, batch_out = run_batch(ps, max_len)
             batch_s.append(t)
-        tokens = b * n
+        tokens = sum(len(o) for o in single_out)
+        assert tokens == sum(len(o) for o in batch_out) == sum(max_len - len(p) for p in ps)
         results.append(dict(
-            batch=b, new_tokens=n, mean_prompt_tokens=round(statistics.mean(len(p) for p in ps), 1),
-            batch_tokens_generated=generated, batch_tokens_per_s=generated / statistics.median(batch_s),
+            batch=b, tokens=tokens, mean_prompt_tokens=round(statistics.mean(len(p) for p in ps), 1),
+            batch_tokens_per_s=tokens / statistics.median(batch_s),
             single_tokens_per_s=tokens / statistics.median(single_s),
             rows_equal=sum(a == s for a, s in zip(batch_out, single_out))))
         results[-1]["ratio"] = results[-1]["batch_tokens_per_s"] / results[-1]["single_tokens_per_s"]
@@ -88,9 +91,10 @@ def main(argv=None) -> int:
         print(json.dumps(dict(setup, results=results)))
     else:
         print(" ".join(f"{k}={v}" for k, v in setup.items()))
-        print(f"{'B':>4} {'prompt':>7} {'batch tok/s':>12} {'single tok/s':>13} {'ratio':>6} {'rows equal':>11}")
+        print(f"{'B':>4} {'prompt':>7} {'tokens':>7} {'batch tok/s':>12} {'single tok/s':>13} {'ratio':>6} "
+              f"{'rows equal':>11}")
         for r in results:
-            print(f"{r['batch']:>4} {r['mean_prompt_tokens']:>7} {r['batch_tokens_per_s']:>12.1f} "
+            print(f"{r['batch']:>4} {r['mean_prompt_tokens']:>7} {r['tokens']:>7} {r['batch_tokens_per_s']:>12.1f} "
                   f"{r['single_tokens_per_s']:>13.1f} {r['ratio']:>6.2f} {r['rows_equal']:>6}/{r['batch']}")
     return 0
 
