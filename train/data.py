@@ -1,6 +1,6 @@
 """Training sequences for the PSM: prompt + response token ids with a mask of response positions.
 
-The PSM is trained only where the next token is a response token (SPD.md section 6), and only on
+The PSM is trained only where the next token is a response token (docs/SPD.md section 6), and only on
 training data: GSM8K's train split here (never the benchmark prompts). The files ship in the
 repository's data/ (sources, licences and checksums in data/README.md); `data_path` finds them.
 """
@@ -15,15 +15,13 @@ from typing import Iterator
 import numpy as np
 
 REPO_DATA = Path(__file__).resolve().parents[1] / "data"
-# A workspace copy beside the repository, used only for a file the repository's data/ lacks.
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def data_roots() -> list[Path]:
-    """Where data files are looked for, in order: $SPD_JAX_DATA alone when set (read at each call,
-    so it can change at run time), else the repository's data/, then ../shared/data."""
+    """Where data files are looked for: $SPD_JAX_DATA alone when set (read at each call, so it can
+    change at run time), else the repository's data/."""
     env = os.environ.get("SPD_JAX_DATA")
-    return [Path(env)] if env else [REPO_DATA, SHARED_DATA]
+    return [Path(env)] if env else [REPO_DATA]
 
 
 def data_path(relative: str | Path, roots: list[Path] | None = None) -> Path:
