@@ -4,8 +4,8 @@
 
 Measures, in one run:
   ar_step_ms      the on-device AR decode loop's time per token (spd_jax.generate, method="ar")
-  spd_cycle_ms    (SPD wall - SPD prefill wall) / cycles, with a random PSM (acceptance does not change
-                  the cost of a cycle); wall = the whole on-device loop incl. every stage, transfers
+  spd_cycle_ms    (SPD wall - SPD prefill wall) / cycles, with the default PSM (the one shipped for this
+                  model and n, else a random one: acceptance hardly changes a cycle's cost); wall = the whole on-device loop incl. every stage, transfers
                   and all-reduces, and the final device-to-host copy; prefill measured by a 1-token run
   pipeline_cycle_ms  the same for the plain pipeline (no PSM)
   ratio           spd_cycle_ms / ar_step_ms
@@ -22,7 +22,7 @@ core) or the parts' per-call dispatch, timed in the profile, is not paid inside 
 included) on three profiles: this CPU as fitted (as if each stage had its own such device), an
 H200-with-NVLink-like and a TPU-v5e-ICI-like one, with the heads whole on the last stage (the engine
 before vocabulary-parallel heads) and sharded (now), at --alpha-S0 (default 1.5; "measured": this run's,
-a random PSM's), and per profile the PSM body on the last stage, on the stage the cost model picks
+with the PSM it ran, `spd_psm`), and per profile the PSM body on the last stage, on the stage the cost model picks
 (the engine's default, `--psm-placement auto`) and on a device of its own (n + 1 devices).
 Projections are not measurements; each states what it assumes.
 """
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     prof = profile_cycle(model, plan, psm_layers=args.psm_layers, context=len(ids) + N // 2)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
-               pipeline_cycle_ms=statistics.median(pipe), spd_alpha_random_psm=spd_stats["alpha"],
+               pipeline_cycle_ms=statistics.median(pipe), spd_alpha=spd_stats["alpha"],
+               spd_psm=spd_stats["psm"],
                profile=prof)
     res["ratio_spd_cycle_to_ar_step"] = res["spd_cycle_ms"] / res["ar_step_ms"]
     res["ratio_pipeline_cycle_to_ar_step"] = res["pipeline_cycle_ms"] / res["ar_step_ms"]
