@@ -1,17 +1,29 @@
-"""The model card is built from the run's and the evaluation's files, figures included."""
+"""The model card is built from the run's and the evaluation's files, figures included, and reports only
+the evaluation rows of its own drafter (and `ar`'s of the same setup)."""
 
 import json
 
+import pytest
+
 from train import card
 
+SETUP = dict(model="smollm2-135m-instruct", max_new_tokens=128, seed=0, backend="cpu")
 
-def test_card_from_run_and_eval_files(tmp_path):
+
+def _write_rows(ev, rows):
+    (ev / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _psm_run(tmp_path):
     run, ev, psm = tmp_path / "run", tmp_path / "eval", tmp_path / "psm"
     for d in (run, ev, psm / "params"):
         d.mkdir(parents=True)
+    # lr as YAML reads "3e-4"; clip left to its default; tau other than 1
     (run / "run.json").write_text(json.dumps(dict(
-        identity=dict(model="/x/smollm2-135m-instruct"), commands=["python -m train.main --config c.yaml"],
-        config=dict(sources=["sharegpt"], max_len=512, lr=3e-4, warmup=100, batch_size=8, clip=1.0))))
+        identity=dict(model="/x/smollm2-135m-instruct"),
+        commands=["python -m train.main --config c.yaml", "python -m train.main --config c.yaml --export 2"],
+        exports=["python -m train.main --config c.yaml --export 1"],
+        config=dict(sources=["sharegpt"], max_len=512, lr="3e-4", warmup=100, batch_size=8, tau=2.0))))
     rows = [dict(step=s, positions=1000 * s, loss=5.0 / s, agreement=0.1 * s) for s in range(1, 4)]
     rows[-1] |= dict(alpha=0.5, S0=3.75)
     rows.append(dict(step=4, positions=4000, loss=1.0, agreement=0.4))  # after the exported step: not in the card
@@ -23,19 +35,41 @@ def test_card_from_run_and_eval_files(tmp_path):
                                                   trained=dict(steps=3, positions=3000, wall_s=7200, backend="cpu",
                                                                mesh="1x1"))))
     (psm / "params" / "w").write_bytes(b"\0" * 2 ** 20)
-    common = dict(prompt_tokens=5, wall_s=1.0, timing_includes="x", depth_ratio=7.5, temperature=0.0)
-    res = [dict(bench="gsm8k", prompt_index=i, method="spd", n=8, tokens=10, cycles=20, **common) for i in range(2)]
-    res += [dict(bench="gsm8k", prompt_index=i, method="ar", n=1, tokens=10, cycles=10, **common) for i in range(2)]
-    res += [dict(bench="gsm8k", prompt_index=0, method="eagle3", k=3, n=1, tokens=10, cycles=5, **common)]
-    (ev / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
+    return run, ev, psm
+
+
+def _res(method, n, count=2, tokens=10, cycles=20, **kw):
+    common = dict(prompt_tokens=5, wall_s=1.0, timing_includes="x", depth_ratio=7.5, temperature=0.0, **SETUP)
+    return [dict(bench="gsm8k", prompt_index=i, method=method, n=n, tokens=tokens, cycles=cycles, **(common | kw))
+            for i in range(count)]
+
+
+def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
+    run, ev, psm = _psm_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    res = _res("spd", 8, psm="psm")  # the label as infer.evaluate --spec got it: relative to where it ran
+    res += _res("ar", 1, cycles=10, depth_ratio=1.0)
+    res += _res("eagle3", 1, count=1, cycles=5, k=3, drafter_spec="/x/drafter")
+    res += _res("spd", 8, count=1, cycles=10, psm="/elsewhere/psm")  # another PSM at the same n
+    res += _res("spd", 8, count=1, cycles=10, psm="random")  # an untrained one
+    res += _res("spd", 4, count=1, cycles=10, psm="psm")  # another n (not this PSM's plan)
+    res += _res("ar", 1, count=1, cycles=10, tokens=99, seed=1, depth_ratio=1.0)  # ar of another setup
+    _write_rows(ev, res)
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
-    assert "n = 8" in text and "python -m train.main --config c.yaml" in text and "EVAL" in text
+    assert "n = 8" in text and "python -m train.main --config c.yaml\n```" in text and "EVAL" in text
+    assert "--export" not in text  # exports trained nothing: not among the training commands
     assert "response positions seen **3,000**" in text and "2.00 h of wall clock" in text and "1.0 MB" in text
     assert "median 30.0 s per step" in text
+    # from the TrainConfig: tau from the config, lr parsed, clip's default where the config has none
+    assert "at tau = 2 " in text and "lr 0.0003," in text and "clip 1\n" in text and "None" not in text
     assert "| 3 | 3,000 | 0.500 | 3.75 |" in text  # the quick eval's S0 curve
-    assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 | 10.0 | 1.00x |" in text  # pooled 20/40 * 7.5
-    assert "| eagle3 |" not in text  # the other drafter's rows go into its own card
+    table = [x for x in text.splitlines() if x.startswith("| gsm8k") or x.startswith("| all")]
+    assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 | 10.0 | 1.00x |" in table  # pooled 20/40 * 7.5
+    assert "| gsm8k | ar | 1 | 0 | 2 | 20 | 1.000 | 1.00 | 10.0 | 1.00x |" in table  # seed 1's ar row left out
+    assert len(table) == 4  # spd and ar, gsm8k and all: nothing of the other PSMs, n or eagle3
+    assert "setup: model smollm2-135m-instruct, max_new_tokens 128, seed 0, backend cpu" in text
+    assert "evaluation's cpu backend" in text and "sharing the host's cores" in text
     # an earlier step's export (train.main --export 2) gets that step's figures, not the run's later ones
     meta = json.loads((psm / "psm.json").read_text())
     meta["trained"].update(steps=2, positions=2000)
@@ -43,6 +77,32 @@ def test_card_from_run_and_eval_files(tmp_path):
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert "| 3 | 3,000 |" not in text and "KL 3.750" in text  # the mean of steps 1 and 2: 5.0 and 2.5
+
+
+def test_card_without_rows_of_its_drafter(tmp_path, capsys):
+    """No row of this PSM in --eval: the card says so instead of printing an empty table."""
+    run, ev, psm = _psm_run(tmp_path)
+    _write_rows(ev, _res("spd", 8, psm=str(tmp_path / "other")) + _res("ar", 1, cycles=10, depth_ratio=1.0))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert "holds no `spd` row of this PSM at n = 8" in text and f"--spec {psm}" in text
+    assert "| bench |" not in text and "| gsm8k |" not in text
+    assert "holds no row of" in capsys.readouterr().err
+
+
+def test_card_refuses_rows_of_two_setups(tmp_path, capsys):
+    run, ev, psm = _psm_run(tmp_path)
+    _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("spd", 8, psm=str(psm), max_new_tokens=64))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "rows of 2 setups" in err and "max_new_tokens 64" in err
+    assert not (psm / "CARD.md").exists()
+
+
+@pytest.mark.parametrize("label", ["random", "given", None])
+def test_untrained_or_unnamed_drafters_are_not_this_one(tmp_path, label):
+    assert not card._is_dir(label, tmp_path)
+    assert card._is_dir(str(tmp_path / "a" / ".."), tmp_path)
 
 
 def test_eagle3_card(tmp_path):
@@ -61,15 +121,20 @@ def test_eagle3_card(tmp_path):
     (d / "eagle3.json").write_text(json.dumps(dict(kind="eagle3", layers=[2, 15, 27], draft_vocab=0, trained=trained,
                                                    target=["llama", 576, 30, 49152, 9, 3])))
     (d / "params" / "w").write_bytes(b"\0" * 2 ** 20)
-    common = dict(prompt_tokens=5, wall_s=1.0, timing_includes="x", depth_ratio=1.0, temperature=0.0, n=1)
-    res = [dict(bench="gsm8k", prompt_index=i, method="eagle3", k=3, tokens=10, cycles=5, **common) for i in range(2)]
-    res += [dict(bench="gsm8k", prompt_index=i, method="ar", tokens=10, cycles=10, **common) for i in range(2)]
-    res += [dict(bench="gsm8k", prompt_index=0, method="spd", tokens=10, cycles=10, **common)]
-    (ev / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
+    gpu = dict(depth_ratio=1.0, backend="gpu")
+    res = _res("eagle3", 1, tokens=10, cycles=5, k=3, drafter=str(d), drafter_spec=str(d), **gpu)
+    res += _res("ar", 1, tokens=10, cycles=10, **gpu)
+    res += _res("spd", 8, count=1, cycles=10, psm="/x/psm", **gpu)
+    res += _res("eagle3", 1, count=1, cycles=5, k=3, drafter_spec="random", **gpu)  # the untrained drafter
+    res += _res("eagle3", 1, count=1, cycles=5, k=3, drafter_spec="/x/other", **gpu)  # another drafter
+    _write_rows(ev, res)
     (ev / "commands.txt").write_text("python -m infer.evaluate --methods ar,eagle3 --k 3\n")  # infer.evaluate's
     assert card.main(["--run", str(run), "--eval", str(ev), "--drafter", str(d)]) == 0
     text = (d / "CARD.md").read_text()
     assert "```\npython -m infer.evaluate --methods ar,eagle3 --k 3\n```" in text
     assert text.startswith("# EAGLE-3-style drafter for smollm2-135m-instruct") and "[2, 15, 27]" in text
-    assert "over 3 unrolled draft steps" in text and "| 3 | 3,000 | 3 | 1.800 |" in text
-    assert "| gsm8k | eagle3 | 3 | 0 | 2 | 20 | 2.000 | 10.0 | 1.00x |" in text and "| spd |" not in text
+    assert "at tau = 1 over 3 unrolled draft steps" in text and "| 3 | 3,000 | 3 | 1.800 |" in text
+    # method_label as in infer.evaluate's tables; the untrained and the other drafter's rows left out
+    assert "| gsm8k | eagle3 k=3 | 0 | 2 | 20 | 2.000 | 10.0 | 1.00x |" in text and "| spd" not in text
+    assert "untrained" not in text and "| all | eagle3 k=3 | 0 | 2 | 20 | 2.000 |" in text
+    assert "evaluation's gpu backend (one device per run)" in text

@@ -7,6 +7,11 @@ Reads RUN/run.json (identity, config, the commands that trained it), RUN/metrics
 agreement, quick-eval S0 or tokens per round against training positions), the exported drafter's
 psm.json or eagle3.json and EVAL/results.jsonl (`infer.evaluate` rows), and writes DRAFTER/CARD.md and
 DRAFTER/curves.png (the learning curves). Every figure in the card comes from those files.
+
+The evaluation table holds only this drafter's rows (`spd` rows at the PSM's n whose PSM is DRAFTER, or
+`eagle3` rows whose drafter is DRAFTER), with the `ar` rows of the same setup (model, max_new_tokens,
+seed, backend) for reference; EVAL rows of more than one setup for this drafter are refused (evaluate
+each setup into its own --out).
 """
 
 from __future__ import annotations
@@ -16,6 +21,62 @@ import json
 import shutil
 import sys
 from pathlib import Path
+
+
+SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share
+
+
+def _is_dir(label, directory: Path) -> bool:
+    """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
+    "random" / "given" / None) names `directory`."""
+    if not isinstance(label, str) or label in ("random", "given"):
+        return False
+    return Path(label).resolve() == directory.resolve()
+
+
+def drafter_rows(rows: list[dict], meta: dict, directory: Path, eagle: bool) -> tuple[list[dict], dict | None]:
+    """The results.jsonl rows of the drafter in `directory` (meta: its psm.json, or eagle3.json when
+    `eagle`): a PSM's `spd` rows at its n, or an EAGLE-3 drafter's `eagle3` rows, plus the `ar` rows of
+    their setup. -> (rows, setup); ([], None) when there is no row of this drafter; ValueError when its
+    rows are of more than one setup."""
+    if eagle:
+        mine = [r for r in rows if r["method"] == "eagle3" and _is_dir(r.get("drafter_spec"), directory)]
+    else:
+        n = len(meta["plan"])
+        mine = [r for r in rows if r["method"] == "spd" and r["n"] == n and _is_dir(r.get("psm"), directory)]
+    setups = sorted({tuple(r.get(k) for k in SETUP) for r in mine}, key=repr)
+    if not setups:
+        return [], None
+    if len(setups) > 1:
+        listed = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SETUP, s)) for s in setups)
+        raise ValueError(f"the evaluation holds {directory}'s rows of {len(setups)} setups ({listed}): a card "
+                         "reports one; evaluate each setup into its own infer.evaluate --out and pass that as --eval")
+    return mine + [r for r in rows if r["method"] == "ar" and tuple(r.get(k) for k in SETUP) == setups[0]], \
+        dict(zip(SETUP, setups[0]))
+
+
+def _train_config(run: dict):
+    """The run's TrainConfig: the recorded keys over the defaults (a config that relied on a default
+    recorded no value for it)."""
+    from train.loop import TrainConfig
+
+    return TrainConfig.from_dict(run["config"])
+
+
+def _training_commands(run: dict) -> list[str]:
+    """The commands that trained the run (train.main records `--export` ones under "exports"; an older
+    run.json has them among "commands")."""
+    return [c for c in run.get("commands", []) if not any(w == "--export" or w.startswith("--export=")
+                                                          for w in c.split())]
+
+
+def _setup_line(setup: dict) -> str:
+    return ", ".join(f"{k} {setup[k]}" for k in SETUP)
+
+
+def _no_rows(what: str, how: str) -> list[str]:
+    return [f"The evaluation (--eval) holds no {what}: no evaluation to report. Evaluate it with "
+            f"`{how}` and rebuild this card.", ""]
 
 
 def _dir_mb(path: Path) -> float:
@@ -50,19 +111,23 @@ TEMPERATURES = ("T = 0 is greedy; T = 1 samples at temperature 1 with top-k 50 a
                 "setting); first turns, chat template")
 
 
-def _data_line(cfg: dict, note: str = "") -> str:
-    sources = ", ".join(cfg.get("sources", []))
-    if cfg.get("responses") == "target":
+def _data_line(tc, note: str = "") -> str:
+    sources = ", ".join(tc.sources)
+    if tc.responses == "target":
         what = (f"the first user turns of {sources} answered by the target itself (self-distillation: greedy, up "
-                f"to {cfg.get('max_len')} tokens in all; train/distill.py), loss on the target's reply tokens")
+                f"to {tc.max_len} tokens in all; train/distill.py), loss on the target's reply tokens")
     else:
         what = (f"{sources} (chat template, loss on response tokens only, conversations up to "
-                f"{cfg.get('max_len')} tokens)")
+                f"{tc.max_len} tokens)")
     return f"- data: {what}{note}; never MT-Bench, GSM8K test or HumanEval prompts"
 
 
-def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float) -> str:
+def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float,
+                  setup: dict | None = None, drafter: str = "DRAFTER") -> str:
+    """table: `infer.evaluate.pooled` over this PSM's rows (`drafter_rows`), setup their setup; an empty
+    table: the card says the evaluation holds none."""
     spec, trained = psm, psm.get("trained", {})
+    tc = _train_config(run)
     metrics = _up_to(metrics, trained)
     last = metrics[-10:]
     loss = sum(r["loss"] for r in last) / len(last)
@@ -79,40 +144,51 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         + f". Weights bfloat16, {size_mb:.1f} MB; the LM head is the target's (frozen in training, not stored).",
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
-        "and data position):", "", "```", *run.get("commands", []), "```", "",
-        _data_line(run["config"]),
-        f"- objective: KL(teacher || PSM) at tau = 1 with the exact train/inference row layout and a simulated "
-        f"pipeline fill; AdamW lr {run['config'].get('lr')}, warm-up {run['config'].get('warmup')}, "
-        f"batch {run['config'].get('batch_size')} sequences, clip {run['config'].get('clip')}",
+        "and data position):", "", "```", *_training_commands(run), "```", "",
+        _data_line(tc),
+        f"- objective: KL(teacher || PSM) at tau = {tc.tau:g} with the exact train/inference row layout and a "
+        f"simulated pipeline fill; AdamW lr {tc.lr:g}, warm-up {tc.warmup}, batch {tc.batch_size} sequences"
+        f"{f' x {tc.grad_accum} accumulated' if tc.grad_accum > 1 else ''}, clip {tc.clip:g}",
         _time_line(metrics, trained),
         f"- last 10 logged steps: KL {loss:.3f}, top-1 agreement with the target {agree:.3f}",
         "", "Quick eval during training (greedy SPD on held-out training prompts, pooled):", "",
         "| step | positions | alpha | S0 |", "|---|---|---|---|",
         *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "", *(["```", eval_cmd, "```", ""] if eval_cmd else []),
+        "## Evaluation", "",
+    ]
+    n = len(spec["plan"])
+    if not table:
+        return "\n".join(lines + _no_rows(
+            f"`spd` row of this PSM at n = {n}",
+            f"python -m infer.evaluate --methods ar,spd --n {n} --spec {drafter} --out EVAL"))
+    from infer.evaluate import method_label
+
+    lines += [
+        *(["```", eval_cmd, "```", ""] if eval_cmd else []),
         f"{TEMPERATURES}; alpha = committed tokens per cycle and S0 = alpha * L / (layers of the slowest stage), "
-        "pooled over prompts as sum(tokens) / sum(cycles). The evaluation's `spd` rows, with `ar`'s for reference.",
-        "",
+        f"pooled over prompts as sum(tokens) / sum(cycles). The evaluation's `spd` rows of this PSM at n = {n}, "
+        f"with `ar`'s for reference; setup: {_setup_line(setup)}.", "",
         "| bench | method | n | T | prompts | tokens | alpha | S0 | tok/s here | vs ar here |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
-        if t["method"] not in ("spd", "ar"):
-            continue
         ratio = f"{t['speed_vs_ar']:.2f}x" if t.get("speed_vs_ar") else "-"
-        lines.append(f"| {t['bench']} | {t['method']} | {t['n']} | {t['temperature']:g} | {t['prompts']} | "
+        lines.append(f"| {t['bench']} | {method_label(t)} | {t['n']} | {t['temperature']:g} | {t['prompts']} | "
                      f"{t['tokens']} | {t['alpha']:.3f} | {t['S0']:.2f} | {t['tokens_per_s']:.1f} | {ratio} |")
-    lines += ["", "tok/s are measured on the machine named above, where the n stage devices share the host's "
-              "cores (stages run one after another), so they are not a projection for real devices; S0 is.", ""]
+    backend = setup["backend"]
+    where = (f"the n = {n} stage devices are host devices sharing the host's cores (the stages run one after "
+             "another), so tok/s and the ratio are not a projection for real devices; S0 is" if backend == "cpu" else
+             f"one {backend} device per stage; S0 is the device-independent figure")
+    lines += ["", f"tok/s and the ratio to `ar` are measured on the evaluation's {backend} backend: {where}.", ""]
     return "\n".join(lines)
 
 
 def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list[dict], eval_cmd: str,
-                         size_mb: float) -> str:
+                         size_mb: float, setup: dict | None = None, drafter: str = "DRAFTER") -> str:
     """The card of an EAGLE-3-style drafter (eagle3.json): as `card_markdown`, with tokens per target
-    pass (verification round) in place of alpha / S0, and the table's eagle3 rows (ar's for reference)."""
-    trained, cfg = meta.get("trained", {}), run["config"]
+    pass (verification round) in place of alpha / S0, and this drafter's eagle3 rows (ar's for reference)."""
+    trained, tc = meta.get("trained", {}), _train_config(run)
     metrics = _up_to(metrics, trained)
     last = metrics[-10:]
     loss = sum(r["loss"] for r in last) / len(last)
@@ -131,11 +207,12 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         "the target's token (`python -m infer.generate --mode eagle3 --k 3 --drafter DIR`).",
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
-        "and data position):", "", "```", *run.get("commands", []), "```", "",
-        _data_line(cfg, ", the same batches as the PSM's at equal positions"),
-        f"- objective: KL(teacher || drafter) at tau = 1 over {trained.get('ttt_steps', cfg.get('ttt_steps'))} "
-        f"unrolled draft steps (the training-time test); AdamW lr {cfg.get('lr')}, warm-up {cfg.get('warmup')}, "
-        f"batch {cfg.get('batch_size')} sequences, clip {cfg.get('clip')}",
+        "and data position):", "", "```", *_training_commands(run), "```", "",
+        _data_line(tc, ", the same batches as the PSM's at equal positions"),
+        f"- objective: KL(teacher || drafter) at tau = {tc.tau:g} over {trained.get('ttt_steps', tc.ttt_steps)} "
+        f"unrolled draft steps (the training-time test); AdamW lr {tc.lr:g}, warm-up {tc.warmup}, "
+        f"batch {tc.batch_size} sequences{f' x {tc.grad_accum} accumulated' if tc.grad_accum > 1 else ''}, "
+        f"clip {tc.clip:g}",
         _time_line(metrics, trained),
         f"- last 10 logged steps: KL per unrolled step {loss:.3f}, top-1 agreement of the first draft step with "
         f"the target {agree:.3f}",
@@ -144,28 +221,36 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
           for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "", *(["```", eval_cmd, "```", ""] if eval_cmd else []),
+        "## Evaluation", "",
+    ]
+    if not table:
+        return "\n".join(lines + _no_rows(
+            "`eagle3` row of this drafter",
+            f"python -m infer.evaluate --methods ar,eagle3 --k {tc.eval_k} --drafter {drafter} --out EVAL"))
+    from infer.evaluate import method_label
+
+    lines += [
+        *(["```", eval_cmd, "```", ""] if eval_cmd else []),
         f"{TEMPERATURES}; tokens per round = committed tokens per target pass (the chain's theoretical speedup), "
-        "pooled over prompts as sum(tokens) / sum(rounds). The evaluation's `eagle3` rows, with `ar`'s for "
-        "reference.", "",
-        "| bench | method | k | T | prompts | tokens | tokens per round | tok/s here | vs ar here |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "pooled over prompts as sum(tokens) / sum(rounds). The evaluation's `eagle3` rows of this drafter (k: "
+        f"drafts per round), with `ar`'s for reference; setup: {_setup_line(setup)}.", "",
+        "| bench | method | T | prompts | tokens | tokens per round | tok/s here | vs ar here |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
-        if t["method"] not in ("eagle3", "ar"):
-            continue
         ratio = f"{t['speed_vs_ar']:.2f}x" if t.get("speed_vs_ar") else "-"
-        lines.append(f"| {t['bench']} | {t['method']} | {t.get('k') or '-'} | {t['temperature']:g} | {t['prompts']} | "
+        lines.append(f"| {t['bench']} | {method_label(t)} | {t['temperature']:g} | {t['prompts']} | "
                      f"{t['tokens']} | {t['alpha']:.3f} | {t['tokens_per_s']:.1f} | {ratio} |")
-    lines += ["", "tok/s are measured on the machine named above (one device per run); tokens per round is the "
-              "device-independent figure.", ""]
+    lines += ["", f"tok/s and the ratio to `ar` are measured on the evaluation's {setup['backend']} backend (one "
+              "device per run); tokens per round is the device-independent figure.", ""]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.card", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="the training run's --out directory")
-    ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory for this PSM")
+    ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory with this drafter's rows (only "
+                                                  "they and `ar`'s of the same setup go into the card)")
     ap.add_argument("--psm", "--drafter", dest="psm", required=True,
                     help="the exported drafter directory the card goes into (a PSM's psm/ or an EAGLE-3 drafter/)")
     ap.add_argument("--eval-command", default=None, help="the infer.evaluate commands that produced --eval "
@@ -186,12 +271,17 @@ def main(argv=None) -> int:
     if (run_dir / "curves.png").is_file():
         shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
     try:
-        write = eagle3_card_markdown if meta_file.name == "eagle3.json" else card_markdown
+        eagle = meta_file.name == "eagle3.json"
+        write = eagle3_card_markdown if eagle else card_markdown
         eval_cmd = args.eval_command
         if eval_cmd is None:
             cmds = eval_dir / "commands.txt"
             eval_cmd = cmds.read_text().strip() if cmds.is_file() else ""
-        text = write(run, metrics, psm, pooled(rows), eval_cmd, _dir_mb(psm_dir / "params"))
+        mine, setup = drafter_rows(rows, psm, psm_dir, eagle)
+        if not mine:
+            print(f"warning: {eval_dir / 'results.jsonl'} holds no row of {psm_dir}: the card says so",
+                  file=sys.stderr)
+        text = write(run, metrics, psm, pooled(mine), eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

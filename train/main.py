@@ -5,12 +5,14 @@
     python -m train.main --config configs/train/smollm2-eagle3.yaml ...     # method: eagle3
 
 --mesh DxM: D-way data parallel x M-way model parallel over the devices (on a CPU-only machine the
-command sets up that many host devices itself). key=value overrides any config key (e.g. n=4,
-batch_size=16, stages=3,3,4,4, method=eagle3). Both methods take the same data, batches, optimiser and
-checkpoints. Writes to --out: orbax checkpoints (ckpt/), metrics.jsonl, run.json, curves.png and, at
-the end, the trained drafter: psm/ (`infer.generate --spec`) or, for eagle3, drafter/
+command sets up that many host devices itself). key=value overrides any config key (e.g. n=4
+stages=6,8,8,8, which sum to SmolLM2's 30 layers; batch_size=16; method=eagle3). Both methods take the
+same data, batches, optimiser and checkpoints. Writes to --out: orbax checkpoints (ckpt/), metrics.jsonl,
+run.json (the config, and the commands that trained the run; `--export` ones under "exports"), curves.png
+and, at the end, the trained drafter: psm/ (`infer.generate --spec`) or, for eagle3, drafter/
 (`infer.generate --mode eagle3 --drafter`). `--export [STEP]` writes a kept checkpoint's drafter
-without training (e.g. an earlier step, for a comparison at equal training positions).
+without training (e.g. an earlier step, for a comparison at equal training positions). A bad command
+line, config or missing optional package ends with `error: ...` on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -49,16 +52,24 @@ def parse_args(argv=None):
 def load_config(args) -> dict:
     path = Path(args.config)
     if not path.is_file():
-        raise SystemExit(f"error: training config {path} not found (see configs/train/)")
+        raise FileNotFoundError(f"training config {path} not found (see configs/train/)")
     d = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(d, dict):
+        raise ValueError(f"training config {path} is not a mapping of TrainConfig keys (see configs/train/)")
     for ov in args.overrides:
         if "=" not in ov:
-            raise SystemExit(f"error: override {ov!r} is not key=value")
+            raise ValueError(f"override {ov!r} is not key=value (e.g. n=4)")
         k, v = ov.split("=", 1)
         d[k] = yaml.safe_load(v)
     if args.steps is not None:
         d["steps"] = args.steps
     return d
+
+
+# What a bad command line, config or environment raises while the run is set up (a bad --mesh, an unknown
+# config key, model or data source, n or stages that do not fit the model, a missing file or optional
+# package): reported as `error: ...` with status 2, not a traceback. Errors while training are not caught.
+SETUP_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError, yaml.YAMLError)
 
 
 def main(argv=None) -> int:
@@ -70,12 +81,33 @@ def main(argv=None) -> int:
         return distributed.launch(args.processes, "train.main", distributed.worker_argv(argv), args.local_devices)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
+    try:
+        s = _setup(args, argv)
+    except SETUP_ERRORS as e:
+        msg = str(e)
+        if isinstance(e, ImportError) and "pip install" not in msg:
+            msg += " (training needs the `train` extra: python3 -m pip install -e '.[train]')"
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    if args.export:
+        _export(s.export_to, _variables(s.state, s.frozen), s.spec, s.tc, s.raw, s.recorded.get("mesh", "?"),
+                s.start, s.positions, s.wall0)
+        return 0
+    _train(args, s)
+    return 0
+
+
+def _setup(args, argv: list[str]) -> SimpleNamespace:
+    """Everything before the first step: the config, the devices, the model, the data, the drafter's
+    initial or restored state, run.json. Raises one of SETUP_ERRORS for what the user can fix."""
+    from spd_jax import distributed
+
     raw = load_config(args)
     out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
     recorded: dict = {}
     if args.export:  # the drafter is the run's: exported with the config it trained with, not this command's
         if not (out / "run.json").is_file():
-            raise SystemExit(f"error: --export: {out / 'run.json'} not found (no training run in {out})")
+            raise FileNotFoundError(f"--export: {out / 'run.json'} not found (no training run in {out})")
         recorded = json.loads((out / "run.json").read_text())
         raw = recorded["config"]
         if args.overrides or args.steps is not None:
@@ -83,73 +115,71 @@ def main(argv=None) -> int:
                 args.overrides + ([f"--steps {args.steps}"] if args.steps is not None else [])))
 
     from spd_jax.sharding import parse_mesh, request_cpu_devices
+    from train import loop  # imports JAX without starting a backend: the devices are requested below
 
     data, model_par = parse_mesh(args.mesh)
+    tc = loop.TrainConfig.from_dict(raw)
+    if tc.batch_size % data:
+        raise ValueError(f"batch_size {tc.batch_size} does not split over {data} data-parallel devices (--mesh "
+                         f"{args.mesh}): pick a batch_size that {data} divides, or another --mesh")
+    eagle = tc.method == "eagle3"
     cluster = distributed.cluster_from(args)
     if cluster is None:
         # A PSM's quick eval runs the SPD engine: n stage devices besides the training mesh's (an EAGLE-3
         # drafter's runs the chain on one device).
-        eval_devices = 1 if raw.get("method", "psm") == "eagle3" else int(raw.get("n", 8))
+        eval_devices = 1 if eagle else len(tc.stages) if tc.stages else tc.n
         request_cpu_devices(max(data * model_par, eval_devices))
     else:  # the training mesh spans every process's devices (the quick eval runs when n of them exist)
-        distributed.initialize(cluster, distributed.local_device_count(cluster, data * model_par))
+        try:
+            distributed.initialize(cluster, distributed.local_device_count(cluster, data * model_par))
+        except RuntimeError as e:  # no coordinator answers: the job's addresses are wrong, not the code
+            raise ValueError(str(e)) from None
     leader = cluster is None or distributed.is_leader()
     if not leader:  # every process trains; process 0 alone reports and writes the run's files
         logging.getLogger().setLevel(logging.WARNING)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from spd_jax.progress import progress_bar
 
     import spd_jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from spd_jax.sharding import data_model_mesh
 
-    from spd_jax.sharding import data_model_mesh, put
-    from train import loop
-
-    try:
-        tc = loop.TrainConfig.from_dict(raw)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    if tc.batch_size % data:
-        raise SystemExit(f"error: batch_size {tc.batch_size} does not split over {data} data-parallel devices")
     mesh = data_model_mesh(data, model_par)
-
     model = spd_jax.load_model(tc.model)
     spec = loop.drafter_spec(model, tc)
-    eagle = tc.method == "eagle3"
     identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
     if cluster is not None and jax.device_count() != data * model_par:
-        raise SystemExit(f"error: --mesh {args.mesh} needs {data * model_par} devices; the job has {jax.device_count()} "
+        raise ValueError(f"--mesh {args.mesh} needs {data * model_par} devices; the job has {jax.device_count()} "
                          f"({jax.process_count()} process(es)); on a CPU host --processes P gives each process "
                          "devices / P of them")
     if args.resume and args.export:
-        raise SystemExit("error: --resume continues training, --export writes a checkpoint's drafter: pass one")
+        raise ValueError("--resume continues training, --export writes a checkpoint's drafter: pass one")
     if ckpts.latest() is not None and not (args.resume or args.export):
-        raise SystemExit(f"error: {out} already holds a run (step {ckpts.latest()}); pass --resume to continue it "
+        raise ValueError(f"{out} already holds a run (step {ckpts.latest()}); pass --resume to continue it "
                          "or --out for a new one")
     restore_step = ckpts.latest()
     if args.export:
         restore_step = _export_step(args.export, ckpts, out)
     elif args.resume and restore_step is not None and restore_step > tc.steps:
-        raise SystemExit(f"error: --resume: the last checkpoint (step {restore_step}) is past --steps {tc.steps}; to "
+        raise ValueError(f"--resume: the last checkpoint (step {restore_step}) is past --steps {tc.steps}; to "
                          f"write an earlier step's drafter use --export STEP (kept: {ckpts.all_steps()})")
     if args.resume or args.export:
         if restore_step is None:
-            raise SystemExit(f"error: --{'resume' if args.resume else 'export'}: no checkpoint in {out / 'ckpt'}")
+            raise FileNotFoundError(f"--{'resume' if args.resume else 'export'}: no checkpoint in {out / 'ckpt'}")
         try:
             loop.check_resume(json.loads((out / "run.json").read_text())["identity"], identity)
         except ValueError as e:
-            raise SystemExit(f"error: --{'resume' if args.resume else 'export'}: {out}: {e}")
+            raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
     if leader:
         out.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["python -m train.main", *argv])
         run = json.loads((out / "run.json").read_text()) if args.resume or args.export else {}
-        if not args.export:  # an export trains nothing: the run's config stays the training's
+        if args.export:  # an export trains nothing: the run's config and its training commands stay as they are
+            run["exports"] = run.get("exports", []) + [cmd]
+        else:
             run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count())
-        run["commands"] = run.get("commands", []) + [cmd]
+            run["commands"] = run.get("commands", []) + [cmd]
         (out / "run.json").write_text(json.dumps(run, indent=1))
     if eagle:
         log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
@@ -167,7 +197,7 @@ def main(argv=None) -> int:
     stored = (np.load(vocab_file, allow_pickle=False) if spec.draft_vocab and (args.resume or args.export)
               and vocab_file.is_file() else None)
     if stored is not None and stored.shape != (spec.draft_vocab,):
-        raise SystemExit(f"error: {vocab_file} holds {stored.shape[0]} token ids, the run's draft_vocab is "
+        raise ValueError(f"{vocab_file} holds {stored.shape[0]} token ids, the run's draft_vocab is "
                          f"{spec.draft_vocab}: the file is not this run's (restore it, or delete it to recompute)")
     train_set = heldout = batches = None
     if not args.export or (spec.draft_vocab and stored is None):
@@ -200,65 +230,79 @@ def main(argv=None) -> int:
         state, meta = ckpts.restore(restore_step, jax.eval_shape(lambda: state))
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
         log.info("%s step %d (%d positions seen)", "exporting" if args.export else "resumed at", start, positions)
-    if args.export:
-        final = out / (loop.export_name(spec) + ("" if restore_step == ckpts.latest() else f"-step{restore_step}"))
-        _export(final, _variables(state, frozen), spec, tc, raw, recorded.get("mesh", "?"), start, positions, wall0)
-        return 0
-    step_fn = loop.make_step(model.config, spec, tc, opt, mesh)
+    export_to = (out / (loop.export_name(spec) + ("" if restore_step == ckpts.latest() else f"-step{restore_step}"))
+                 if args.export else None)
+    return SimpleNamespace(raw=raw, out=out, recorded=recorded, tc=tc, eagle=eagle, leader=leader, mesh=mesh,
+                           model=model, spec=spec, ckpts=ckpts, heldout=heldout, batches=batches, opt=opt, state=state,
+                           frozen=frozen, start=start, positions=positions, wall0=wall0, export_to=export_to)
+
+
+def _train(args, s: SimpleNamespace) -> None:
+    """The training loop from s's state to tc.steps, then the drafter's export and the learning curves."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from spd_jax.progress import progress_bar
+    from spd_jax.sharding import put
+    from train import loop
+
+    tc, spec, model, mesh, out = s.tc, s.spec, s.model, s.mesh, s.out
+    state, frozen, positions = s.state, s.frozen, s.positions
+    step_fn = loop.make_step(model.config, spec, tc, s.opt, mesh)
     # placed once: each device keeps only its `model` shard of the frozen target; the PSM replicated
     target = put(loop.compute_target(model, tc), loop.target_shardings(model.config, mesh))
     rep = NamedSharding(mesh, PartitionSpec())
     state, frozen = put(state, rep), put(frozen, rep)
     metrics_path = out / "metrics.jsonl"
-    if leader:
-        _truncate_metrics(metrics_path, start)
+    if s.leader:
+        _truncate_metrics(metrics_path, s.start)
 
-    eval_prompts = loop.eval_prompts(heldout, tc)
+    eval_prompts = loop.eval_prompts(s.heldout, tc)
     key = loop.eval_metric(spec)  # the quick eval's headline: S0, or tokens_per_round
-    if not eagle and jax.device_count() < spec.n:
+    if not s.eagle and jax.device_count() < spec.n:
         log.info("quick eval off: it runs the SPD engine on n=%d stage devices, the job has %d", spec.n,
                  jax.device_count())
         eval_prompts = []
     t_start = time.perf_counter()
-    bar = progress_bar(range(start, tc.steps), initial=start, total=tc.steps, desc="train", unit="step",
-                       disable=not leader)
+    bar = progress_bar(range(s.start, tc.steps), initial=s.start, total=tc.steps, desc="train", unit="step",
+                       disable=not s.leader)
     for step in bar:
         for micro in range(tc.grad_accum):
-            batch = put(batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
+            batch = put(s.batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
             state, met = step_fn(state, frozen, target, batch)
         met = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in v] for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
-        wall = wall0 + time.perf_counter() - t_start
+        wall = s.wall0 + time.perf_counter() - t_start
         done = step + 1
         row = dict(step=done, positions=positions, wall_s=round(wall, 2),
                    **{k: met[k] for k in ("loss", "agreement", "agreement_by_step", "grad_norm") if k in met})
         if done % tc.eval_every == 0 or done == tc.steps:
             row |= loop.quick_eval(model, spec, _variables(state, frozen), eval_prompts, tc)
-        if leader and (done % tc.log_every == 0 or key in row or done == tc.steps):
+        if s.leader and (done % tc.log_every == 0 or key in row or done == tc.steps):
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         bar.set_postfix(refresh=False, loss=f"{met['loss']:.3f}", agree=f"{met['agreement']:.3f}",
                         pos_s=f"{positions / max(wall, 1e-9):.0f}", **({key: f"{row[key]:.2f}"} if key in row else {}))
         if done % tc.save_every == 0 or done == tc.steps:
-            ckpts.save(done, state, dict(positions=positions, wall_s=wall))
+            s.ckpts.save(done, state, dict(positions=positions, wall_s=wall))
 
     final = out / loop.export_name(spec)
-    _export(final, _variables(state, frozen), spec, tc, raw, args.mesh, tc.steps, positions,
-            wall0 + time.perf_counter() - t_start)
-    if leader:
+    _export(final, _variables(state, frozen), spec, tc, s.raw, args.mesh, tc.steps, positions,
+            s.wall0 + time.perf_counter() - t_start)
+    if s.leader:
         loop.plot_curves(metrics_path, out / "curves.png")
-    return 0
 
 
 def _export_step(value: str, ckpts, out: Path) -> int:
     """--export's STEP: "last" or one of the kept checkpoints' steps."""
     kept = ckpts.all_steps()
     if not kept:
-        raise SystemExit(f"error: --export: no checkpoint in {out / 'ckpt'}")
+        raise FileNotFoundError(f"--export: no checkpoint in {out / 'ckpt'}")
     if value == "last":
         return kept[-1]
     if not value.isdigit() or int(value) not in kept:
-        raise SystemExit(f"error: --export {value}: no such checkpoint in {out / 'ckpt'} (kept: {kept})")
+        raise ValueError(f"--export {value}: no such checkpoint in {out / 'ckpt'} (kept: {kept})")
     return int(value)
 
 
