@@ -207,6 +207,14 @@ def _generate_eagle3(model: Model, prompt: np.ndarray, max_new_tokens: int, sp: 
     return tokens, stats
 
 
+def _token_ids(ids, what: str) -> np.ndarray:
+    """Token ids (a sequence or array of ints) -> int64 [T]; text is refused with the way to encode it."""
+    if isinstance(ids, (str, bytes)) or np.asarray(ids).dtype.kind in "US":
+        raise ValueError(f"{what} must be token ids (ints), got {type(ids).__name__} {str(ids)[:40]!r}; encode "
+                         "text with model.encode(text)")
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
 @dataclasses.dataclass
 class GenerateResult:
     token_ids: list[int]  # generated tokens only (the EOS token included when it stopped there)
@@ -248,16 +256,18 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
              k: int = 3, drafter_spec=None) -> GenerateResult:
     """Generate a continuation of one prompt.
 
-    prompt_ids: the prompt's token ids. max_len: the context limit (default: the model's
-    max_position_embeddings); the prompt plus max_new_tokens must fit in it. stream: called with each
-    token id as it commits (a host callback from inside the on-device loop; "ar" and "tp").
+    prompt_ids: the prompt's token ids (text: `model.encode(text)` first). max_len: the context limit,
+    at most (and by default) the model's max_position_embeddings; the prompt plus max_new_tokens must
+    fit in it. stream: called with each token id as it commits (a host callback from inside the
+    on-device loop; "ar" and "tp").
     method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
-    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined methods: n stages (one device each),
-    stage_layers (explicit per-stage layer counts), spec (a PSM checkpoint directory; None: the PSM
-    shipped for a default model at this n, else a random one; "random": an untrained PSM), psm_layers
-    (Ls of a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests),
-    psm_placement (where the PSM body runs: "auto", the stage the cost model finds fastest; "last"; a
-    stage index; or "own", a device of its own, n + 1 devices in all).
+    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined
+    methods: n stages (one device each), stage_layers (explicit per-stage layer counts), spec (a PSM
+    checkpoint directory; None: the PSM shipped for a default model at this n, else a random one;
+    "random": an untrained PSM), psm_layers (Ls of a random PSM), drafter (override: "psm", "none", or
+    "oracle" with oracle_tokens, for tests; EAGLE-3 is method="eagle3", not a drafter), psm_placement
+    (where the PSM body runs: "auto", the stage the cost model finds fastest; "last"; a stage index; or
+    "own", a device of its own, n + 1 devices in all).
     "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
     k drafts per round, one target pass over k + 1 positions; drafter_spec: its checkpoint directory
     (None: the one shipped for a default model, else a random one; "random"; or (Eagle3Config, variables)).
@@ -267,15 +277,21 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
         raise ValueError(f"unknown method {method!r}: available: {', '.join(METHODS)}")
     sp = SamplingParams(temperature, top_k, top_p, seed)
     cfg = model.config
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    prompt = _token_ids(prompt_ids, "prompt_ids")
     if prompt.size == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
     model._check_ids(prompt)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if max_len and max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
     limit = max_len or cfg.max_position_embeddings
     P = int(prompt.size)
-    if P + max_new_tokens + (method in ("pipeline", "spd")) > limit:
+    # Every method's real tokens sit at positions < P + max_new_tokens (the pipeline's last draft in flight
+    # at P + max_new_tokens - 1); rows past them (the PSM's block, the chain's last drafts) are scratch
+    # each method sizes its own cache for, so the pipelined methods need no position more than "ar".
+    if P + max_new_tokens > limit:
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {P + max_new_tokens} "
                          f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
                          "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
@@ -378,7 +394,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     prompt lengths share one compiled program."""
     cfg = model.config
     model._require_layers("generate_batch")
-    rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    rows = [_token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
     if not rows:
         return []
     if max_len > cfg.max_position_embeddings:

@@ -282,11 +282,15 @@ def launch(processes: int, module: str, argv: Sequence[str], local_devices: int 
                              stdout=None if i == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                              preexec_fn=lambda c=cores: _worker_setup(c))
         procs.append(p)
+        print(f"launch: worker {i} is pid {p.pid}" + (f" on cores {sorted(cores)}" if cores else ""),
+              file=sys.stderr, flush=True)
+    # Only once every worker is spawned: preexec_fn runs between fork and exec, which CPython documents
+    # as unsafe while other threads run (a lock a thread held at the fork stays held in the child).
+    # Until then a worker's stderr waits in its pipe.
+    for i, p in enumerate(procs):
         t = threading.Thread(target=_forward, args=(p.stderr, f"[worker {i}] "), daemon=True)
         t.start()
         threads.append(t)
-        print(f"launch: worker {i} is pid {p.pid}" + (f" on cores {sorted(cores)}" if cores else ""),
-              file=sys.stderr, flush=True)
     failed = None
     previous = signal.signal(signal.SIGTERM, _stop)  # a terminated launcher stops its workers first
     try:

@@ -201,7 +201,7 @@ def test_bad_input(deep, tmp_path, tiny_ckpt):
     with pytest.raises(ValueError, match="need 10 devices, but JAX sees 8.*xla_force_host_platform_device_count=10"):
         spd_jax.generate(big, PROMPT, 4, method="spd", n=10)
     with pytest.raises(ValueError, match="exceeds the cache limit of 512"):
-        spd_jax.generate(deep, [1] * 500, 12, method="spd", n=2)
+        spd_jax.generate(deep, [1] * 501, 12, method="spd", n=2)
     # PSM checkpoints for another n or another model
     plan = pipelined.plan_for(deep, 4).counts  # what generate(n=4) runs
     cfg = PSMConfig.for_target(deep.config, plan, num_layers=1)

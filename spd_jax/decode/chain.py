@@ -1,7 +1,8 @@
 """Chain speculative decoding on one device: a drafter proposes k tokens, the target scores the k + 1
 positions in one pass over its cache, and the longest verified prefix plus one token of the target's
-commits. Prefill and the whole loop run in one jitted program (`lax.while_loop`, static caches), as
-`decode.ar` does; with k = 0 (`NoDrafter`) it is autoregressive decoding.
+commits. Prefill and the whole loop run in one jitted program (`lax.while_loop`, static caches);
+`decode.ar` keeps its loop on device too, but compiles prefill and the decode loop as two programs.
+With k = 0 (`NoDrafter`) it is autoregressive decoding.
 
 Verification is `decode.vocab`'s, the rule the SPD engine uses, with `axis=None`: greedy accepts a
 draft iff it equals the target's argmax; sampling accepts with probability min(1, p/q), replaces a
@@ -162,9 +163,10 @@ def generate_chain(model, prompt_ids: Sequence[int], max_new_tokens: int, drafte
     cfg = model.config
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = int(prompt.size)
+    # `api.generate` has checked its max_len (<= max_position_embeddings) already; this guards direct callers
     if P + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"{cfg.max_position_embeddings} positions")
+                         f"{cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens")
     # EOS ids go in as data: a model that differs only in them runs the same program
     cc = chain_config(dataclasses.replace(cfg, eos_token_ids=()), P, max_new_tokens, drafter.k, sp)
     prompt_arr = np.zeros((1, cc.prompt_pad), np.int32)

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.sampling import SamplingParams
-from spd_jax.decode.spd import EngineConfig, build
+from spd_jax.decode.spd import EngineConfig, build, check_drafter
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
@@ -43,7 +43,8 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
     """spec: None (the PSM shipped for this default model and n if any, else a random one), "random" (a
     random PSM, seed 0: the PSM is a model, not sampling randomness), a checkpoint path, or
     (PSMConfig, variables).
-    -> (config, vars, label)."""
+    -> (config, vars in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are),
+    label)."""
     n = plan.n
     if isinstance(spec, str) and spec == "random":
         spec = None
@@ -71,7 +72,9 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
         return cfg, variables, str(spec)
     cfg, variables = spec
     check_spec(cfg, model.config, plan.counts, "(given)")
-    return cfg, variables, "given"
+    # the engine mixes the PSM's activations with the target's: one dtype, as a loaded PSM gets
+    cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return cfg, jax.tree.map(cast, variables), "given"
 
 
 PSM_PLACEMENTS = ("auto", "last", "own")  # or a stage index
@@ -79,8 +82,9 @@ PSM_PLACEMENTS = ("auto", "last", "own")  # or a stage index
 
 def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int:
     """Where the PSM body runs -> a stage 0..n-1, or n (a device of its own: n + 1 devices).
-    placement: "auto" (the stage the cost model predicts makes the shortest cycle, on a profile like
-    this backend's accelerators; the same device count), "last", "own", or a stage index."""
+    placement: "auto" (the stage the cost model predicts makes the shortest cycle, busiest device +
+    collectives, on the TPU v5e profile on a TPU backend and on the H200 NVLink profile on any other,
+    CPU and GPU alike; the same device count), "last", "own", or a stage index."""
     n = plan.n
     if placement == "last":
         return n - 1
@@ -104,6 +108,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     cfg = model.config
     plan = plan_for(model, n, stage_layers)
     drafter = drafter or ("none" if method == "pipeline" else "psm")
+    check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
     psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan, spec, psm_layers) if drafter == "psm"
                                     else (None, {}, None))
     psm_device = psm_device_for(model, plan, psm_cfg, psm_placement) if psm_cfg else plan.n - 1
@@ -171,7 +176,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     seq, n_commit, cycles, accepted, rejected, seq_all, _, _ = exe(*args)
     n_commit = int(n_commit)
     wall = time.perf_counter() - t0
-    seq_all = to_host(seq_all)  # [n, S]: each stage's copy, from whichever process holds it
+    seq_all = to_host(seq_all)  # [devices, S]: each device's copy, from whichever process holds it
     if not (seq_all == seq_all[0]).all():
         raise RuntimeError("pipeline stages disagree on the committed sequence (an engine bug)")
     tokens = seq_all[0, P_:n_commit].tolist()

@@ -11,9 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def _real(v) -> bool:  # Python and numpy numbers alike; a bool is a flag, not a number
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +35,19 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+        if not _real(t) or math.isnan(t) or math.isinf(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 0):
             raise ValueError(f"top_k must be a positive integer (or None/0 for no top-k), got {self.top_k!r}")
         p = self.top_p
-        if p is not None and (not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0):
+        if p is not None and (not _real(p) or math.isnan(p) or not 0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (or None for no top-p), got {p!r}")
+        if not _integer(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32) (it becomes a uint32 key), got {self.seed!r}")
+        # numpy scalars pass the checks above; plain Python values from here on (e.g. int.bit_length on top_k)
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+            v = getattr(self, name)
+            object.__setattr__(self, name, None if v is None else kind(v))
 
     @property
     def greedy(self) -> bool:

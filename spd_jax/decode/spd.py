@@ -8,14 +8,15 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
   broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary (the head
   weights stay replicated; each stage reads its rows);
-- the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`, by default the one the cost
-  model finds least busy, `pipeline.costs.best_psm_device`) or a device of its own (n + 1 devices, the
-  paper's set-up; that device holds no layers, only its shards of the heads). Either way the draft
-  starts from the states at the start of the cycle, not after that cycle's stage work. Its head runs
-  on every device's shard; greedy choice,
-  sampling draws and the accept/replace decision come out of collectives over `stage` that move
-  scalars (plus each shard's k best logits under a top-k filter), so they are identical everywhere;
-  the draft distributions q that sampling verification needs stay on the shard that made them;
+- the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`; the last when None; the
+  host's default, placement "auto", is the stage whose placement gives the shortest predicted cycle,
+  busiest device + collectives, `pipeline.costs.best_psm_device`) or a device of its own (n + 1
+  devices, the paper's set-up; that device holds no layers, only its shards of the heads). Either way
+  the draft starts from the states at the start of the cycle, not after that cycle's stage work. Its
+  head runs on every device's shard; greedy choice, sampling draws and the accept/replace decision
+  come out of collectives over `stage` that move scalars (plus each shard's k best logits under a
+  top-k filter), so they are identical everywhere; the draft distributions q that sampling
+  verification needs stay on the shard that made them;
 - the committed sequence and the pipeline bookkeeping are replicated: each in-flight token's position
   follows from the newest position t and its depth (t - d), so nothing else travels.
 
@@ -47,6 +48,14 @@ from spd_jax.drafters.psm import PSM, PSMConfig
 DRAFTERS = ("psm", "none", "oracle")
 # Test hook only: accept every draft (a deliberately wrong rule the sampling test must detect).
 _TEST_ACCEPT_EVERY_DRAFT = False
+
+
+def check_drafter(drafter) -> None:
+    """Refuse a drafter the engine does not run (it would otherwise draft token 0 every cycle)."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r} for the pipelined methods: one of {', '.join(DRAFTERS)} "
+                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
+                         "method=\"eagle3\"")
 
 
 class LoopState(NamedTuple):
@@ -88,6 +97,9 @@ class EngineConfig:
     psm_device: int | None = None  # the PSM body's device: a stage 0..n-1 (None: the last) or n (its own)
 
     def __post_init__(self):
+        check_drafter(self.drafter)
+        if self.drafter == "psm" and self.psm is None:
+            raise ValueError("drafter 'psm' needs the PSM's config (EngineConfig.psm), got None")
         if not 0 <= self.psm_dev <= self.n or (self.psm_dev == self.n) != (self.layout.devices == self.n + 1):
             raise ValueError(f"psm_device {self.psm_device} with {self.layout.devices} devices for {self.n} stages: "
                              f"a stage 0..{self.n - 1}, or {self.n} (its own device) with a layout of n + 1 devices")
@@ -107,7 +119,7 @@ class EngineConfig:
 
 def build(ec: EngineConfig, mesh):
     """-> jitted fn(stage_w, prog, shared, psm_vars, caches, psm_cache, prompt, prompt_len, max_new,
-    eos_ids, sp, ref) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [n, S], caches,
+    eos_ids, sp, ref) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S], caches,
     psm_cache). Caches are donated."""
     # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)

@@ -85,6 +85,9 @@ class PSMConfig:
         if sum(plan) != cfg.num_layers or min(plan) < 1:
             raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
         anchors = tuple(int(a) for a in anchors) if anchors is not None else default_anchors(cfg.num_layers, plan)
+        if not anchors:
+            raise ValueError("anchors is empty: give at least anchor 0 (the embedding), e.g. "
+                             f"{default_anchors(cfg.num_layers, plan)}, or None for the default")
         if anchors[0] != 0 or list(anchors) != sorted(set(anchors)) or anchors[-1] > cfg.num_layers:
             raise ValueError(f"anchors must start at 0, increase strictly and stay <= {cfg.num_layers}: {anchors}")
         if num_layers < 1:

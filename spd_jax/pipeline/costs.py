@@ -4,14 +4,17 @@ one round of the EAGLE-3-style chain baseline on one device (`predict_eagle3`), 
 
 Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema):
 each stage's layers on one token; the embedding (stage 0); the verification head (final norm + LM
-head); the PSM's body (projections and its Ls layers over the n + 1 rows of a full pipeline, on the
-last stage) and its head (V rows, or the draft vocabulary's V'); the collectives. Two placements of
-the heads (`HEADS`): "sharded", what the engine runs (`spd_jax.decode.vocab`: every device computes
-1/n of each head's rows; the verified token's and the draft's hidden states are broadcast, [H] each,
-and the greedy choices are a max and a min per head), and "last", both heads whole on the last stage
-(the engine before vocabulary-parallel heads). Collectives per cycle, as `pipeline/profile.py` times
-them: one ppermute of [H], one all-reduce of the anchor table [W = n + 2, m, H], and the choices'
-reductions (below); sampling adds a few scalar reductions, not counted.
+head); the PSM's body (projections and its Ls layers over the n + 1 rows of a full pipeline, on
+`psm_device`: a stage, the last by default, or a device of its own) and its head (V rows, or the
+draft vocabulary's V'); the collectives. Two placements of the heads (`HEADS`): "sharded", what the
+engine runs (`spd_jax.decode.vocab`: every device computes 1/n of each head's rows; the verified
+token's and the draft's hidden states are broadcast, [H] each, and the greedy choices are a max and a
+min per head), and "last", both heads whole on the last stage (the engine before vocabulary-parallel
+heads). Collectives per cycle, as `pipeline/profile.py` times them: one ppermute of [H], one
+all-reduce of the anchor table [W = n + 2, m, H], and the choices' reductions (below). Not counted:
+the engine's second anchor all-reduce, the table's arrival mask [W, m] int32 (`decode.spd`, step 3;
+small beside the table, but one more link latency per cycle), and the few scalar reductions sampling
+adds.
 
 A part costs its roofline, max(FLOPs / peak, bytes / bandwidth) summed over its layers, plus a fixed
 launch overhead; a collective costs the link latency plus its bytes over the link bandwidth (a ring
@@ -91,7 +94,7 @@ class CycleCosts:
     embed: LayerCost  # stage 0
     head: LayerCost  # verification: final norm + the whole LM head, one token
     head_shard: LayerCost  # the same over one device's ceil(V / n) rows
-    psm_body: tuple[LayerCost, ...]  # one draft: projections and Ls layers (the last stage)
+    psm_body: tuple[LayerCost, ...]  # one draft: projections and Ls layers (on psm_device)
     psm_head: LayerCost  # the PSM's whole head (V or V' rows), the newest row only
     psm_head_shard: LayerCost  # the same over one device's ceil(V' / n) rows
     hidden_bytes: int  # [H]: the hidden state that moves one stage per cycle, or is broadcast

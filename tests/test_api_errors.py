@@ -1,0 +1,139 @@
+"""Bad arguments to `generate` and the pipelined engine fail before anything compiles, with a message that
+names the problem and the fix; a PSM given in another dtype is brought to the model's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spd_jax
+from spd_jax.decode import pipelined
+from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.spd import EngineConfig
+from spd_jax.drafters.psm import PSMConfig, init_psm
+from spd_jax.pipeline.stages import StageLayout
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):  # 4 layers, vocabulary 160, max_position_embeddings 512
+    return spd_jax.load_model(tiny_ckpt("llama", False)[0])
+
+
+# ---- 1. drafters
+
+@pytest.mark.parametrize("method", ["spd", "pipeline"])
+def test_unknown_drafter_is_refused(model, method):
+    with pytest.raises(ValueError, match=r"unknown drafter 'eagle3' .*one of psm, none, oracle.*method=\"eagle3\""):
+        spd_jax.generate(model, [1, 2], 4, method=method, n=2, drafter="eagle3")
+    with pytest.raises(ValueError, match="unknown drafter 'PSM'"):
+        pipelined.generate_pipelined(model, np.array([1, 2]), 4, SamplingParams(), method=method, n=2,
+                                     drafter="PSM")
+
+
+def test_engine_config_checks_its_drafter(model):
+    plan = pipelined.plan_for(model, 2)
+    layout = StageLayout.of(model.config, plan, (0,))
+    kw = dict(greedy=True, filtered=False, top_k_cap=0, prompt_pad=16, cache_len=64)
+    with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
+        EngineConfig(model.config, layout, None, "eagle", **kw)
+    with pytest.raises(ValueError, match="drafter 'psm' needs the PSM's config"):
+        EngineConfig(model.config, layout, None, "psm", **kw)
+    EngineConfig(model.config, layout, None, "none", **kw)  # the plain pipeline needs no PSM
+
+
+# ---- 2. a given PSM in another dtype
+
+def test_given_psm_takes_the_model_dtype(tiny_ckpt):
+    bf16 = spd_jax.load_model(tiny_ckpt("llama", False)[0], dtype="bfloat16")
+    plan = pipelined.plan_for(bf16, 2)
+    cfg = PSMConfig.for_target(bf16.config, plan.counts, num_layers=1, draft_vocab=32)
+    # a float32 PSM's tree, zeros (eager random init costs seconds of op-by-op dispatch)
+    shapes = jax.eval_shape(lambda: init_psm(bf16.config, cfg, bf16.params, 0, jnp.float32,
+                                             vocab_ids=np.arange(0, 160, 5)))
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    variables["vocab"]["ids"] = np.arange(0, 160, 5, dtype=np.int32)
+    assert {x.dtype for x in jax.tree.leaves(variables)} == {np.dtype(np.float32), np.dtype(np.int32)}
+    _, got, label = pipelined.resolve_psm(bf16, plan, (cfg, variables), psm_layers=1)
+    assert label == "given"
+    floats = [x for x in jax.tree.leaves(got) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+    assert got["vocab"]["ids"].dtype == jnp.int32  # token ids stay integers
+    np.testing.assert_array_equal(got["vocab"]["ids"], np.arange(0, 160, 5))
+
+
+@pytest.mark.slow  # compiles the SPD engine (~15 s on 2 cores); the dtype itself is checked above
+def test_float32_psm_runs_on_a_bfloat16_model(tiny_ckpt):
+    """Before the cast the engine refused to trace: the PSM's float32 draft met bfloat16 in a `lax.cond`."""
+    bf16 = spd_jax.load_model(tiny_ckpt("llama", False)[0], dtype="bfloat16")
+    plan = pipelined.plan_for(bf16, 2)
+    cfg = PSMConfig.for_target(bf16.config, plan.counts, num_layers=1)
+    spec = (cfg, init_psm(bf16.config, cfg, bf16.params, 0, jnp.float32))
+    res = spd_jax.generate(bf16, [1, 17, 42, 99], 8, method="spd", n=2, spec=spec, stop_at_eos=False)
+    assert res.token_ids == spd_jax.generate(bf16, [1, 17, 42, 99], 8, stop_at_eos=False).token_ids
+
+
+# ---- 3. the context limit
+
+def test_max_len_above_the_model_limit_is_refused(model):
+    for method in ("ar", "spd"):
+        with pytest.raises(ValueError, match=r"max_len 1024 exceeds the model's max_position_embeddings \(512\)"):
+            spd_jax.generate(model, [1, 2], 4, max_len=1024, method=method, n=2)
+
+
+@pytest.mark.parametrize("method", ["ar", "pipeline", "spd"])
+def test_prompt_plus_new_tokens_may_fill_the_limit(model, method):
+    """P + max_new_tokens == limit is allowed for every method; one more is refused, the message's sum
+    being the one checked. (The bad drafter stops the pipelined methods right after the check, before
+    anything compiles; "ar" is only asked for the refusal.)"""
+    with pytest.raises(ValueError, match=r"= 65 exceeds the cache limit of 64"):
+        spd_jax.generate(model, [1] * 60, 5, max_len=64, method=method, n=2)
+    if method != "ar":
+        with pytest.raises(ValueError, match="unknown drafter"):
+            spd_jax.generate(model, [1] * 60, 4, max_len=64, method=method, n=2, drafter="bogus")
+
+
+# ---- 4. sampling parameters
+
+def test_numpy_scalars_are_sampling_parameters():
+    sp = SamplingParams(np.float32(0.7), np.int64(50), np.float64(0.9), np.uint32(7))
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.seed) == (pytest.approx(0.7), 50, pytest.approx(0.9), 7)
+    assert type(sp.temperature) is float and type(sp.top_k) is int and type(sp.seed) is int
+    assert (sp.top_k - 1).bit_length() == 6  # what the SPD engine's top-k bucket computes
+    SamplingParams(seed=2**32 - 1)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*32\)"),
+    (dict(seed=2**32), r"seed must be an integer in \[0, 2\*\*32\)"),
+    (dict(seed=1.5), r"seed must be an integer"),
+    (dict(seed=True), r"seed must be an integer"),
+    (dict(temperature=True), "temperature must be a finite number"),
+    (dict(temperature=np.float32("inf")), "temperature must be a finite number"),
+    (dict(temperature=1.0, top_k=np.float64(5)), "top_k must be a positive integer"),
+    (dict(temperature=1.0, top_k=False), "top_k must be a positive integer"),
+    (dict(temperature=1.0, top_p=np.float32(1.5)), r"top_p must be in \(0, 1\]"),
+])
+def test_bad_sampling_parameters(model, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+    with pytest.raises(ValueError, match=msg):
+        spd_jax.generate(model, [1, 2], 4, **kw)
+
+
+# ---- 5. text where token ids belong
+
+def test_text_prompt_is_refused(model):
+    with pytest.raises(ValueError, match=r"prompt_ids must be token ids \(ints\), got str 'Hello'; encode text "
+                                         r"with model.encode\(text\)"):
+        spd_jax.generate(model, "Hello", 4)
+    with pytest.raises(ValueError, match=r"prompt_ids must be token ids.*model.encode"):
+        spd_jax.generate(model, ["Hello", "there"], 4)
+    with pytest.raises(ValueError, match=r"prompt 1 must be token ids.*model.encode"):
+        spd_jax.generate_batch(model, [[1, 2], "Hello"], max_len=16)
+
+
+# ---- 6. PSM anchors
+
+def test_empty_anchors_are_refused(model):
+    with pytest.raises(ValueError, match=r"anchors is empty: give at least anchor 0 .*or None for the default"):
+        PSMConfig.for_target(model.config, (2, 2), anchors=())
