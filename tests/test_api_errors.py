@@ -10,7 +10,8 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.decode.spd import EngineConfig
-from spd_jax.drafters.psm import PSMConfig, init_psm
+from spd_jax.drafters.base import NoDrafter, OracleDrafter
+from spd_jax.drafters.psm import PSMConfig, PSMDrafter, init_psm
 from spd_jax.pipeline.stages import StageLayout
 
 
@@ -31,14 +32,18 @@ def test_unknown_drafter_is_refused(model, method):
 
 
 def test_engine_config_checks_its_drafter(model):
+    """The engine's drafter is an object (drafters.base.SpdDrafter): one draft per cycle or none, reading
+    the anchors the stage layout gathers."""
     plan = pipelined.plan_for(model, 2)
     layout = StageLayout.of(model.config, plan, (0,))
     kw = dict(greedy=True, filtered=False, top_k_cap=0, prompt_pad=16, cache_len=64)
-    with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
-        EngineConfig(model.config, layout, None, "eagle", **kw)
-    with pytest.raises(ValueError, match="drafter 'psm' needs the PSM's config"):
-        EngineConfig(model.config, layout, None, "psm", **kw)
-    EngineConfig(model.config, layout, None, "none", **kw)  # the plain pipeline needs no PSM
+    with pytest.raises(ValueError, match="one token per cycle .* OracleDrafter has k = 3"):
+        EngineConfig(model.config, layout, OracleDrafter(k=3, vocab_size=160), **kw)
+    psm = PSMDrafter(model.config, PSMConfig.for_target(model.config, plan.counts, num_layers=1))
+    with pytest.raises(ValueError, match=r"the drafter reads anchors .*, the stage layout gathers \(0,\)"):
+        EngineConfig(model.config, layout, psm, **kw)
+    EngineConfig(model.config, StageLayout.of(model.config, plan, psm.anchors), psm, **kw)
+    EngineConfig(model.config, layout, NoDrafter(160), **kw)  # the plain pipeline reads no anchors
 
 
 # ---- 2. a given PSM in another dtype

@@ -17,20 +17,29 @@ from jax.sharding import NamedSharding
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.sampling import SamplingParams
-from spd_jax.decode.spd import EngineConfig, build, check_drafter
-from spd_jax.models.attention import init_kv_cache
+from spd_jax.decode.spd import EngineConfig, build
+from spd_jax.drafters.base import NoDrafter, OracleDrafter
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import stages
 from spd_jax.models import schema
 from spd_jax.distributed import to_host
 from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.drafters.psm import PSMConfig, check_spec, init_psm, load_psm, read_spec, shipped_psm
+from spd_jax.drafters.psm import PSMConfig, PSMDrafter, check_spec, init_psm, load_psm, read_spec, shipped_psm
 
 log = logging.getLogger(__name__)
 
 _compiled = CompileCache()
 _random_psm_noted: list[bool] = []
+DRAFTERS = ("psm", "none", "oracle")  # generate(drafter=...): the PSM, the plain pipeline, the test oracle
+
+
+def check_drafter(drafter) -> None:
+    """Refuse a drafter name the pipelined methods do not run."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r} for the pipelined methods: one of {', '.join(DRAFTERS)} "
+                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
+                         "method=\"eagle3\"")
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -109,11 +118,19 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     plan = plan_for(model, n, stage_layers)
     drafter = drafter or ("none" if method == "pipeline" else "psm")
     check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
-    psm_cfg, psm_vars, psm_label = (resolve_psm(model, plan, spec, psm_layers) if drafter == "psm"
-                                    else (None, {}, None))
+    psm_cfg, psm_label, dparams = None, None, ()
+    if drafter == "psm":
+        psm_cfg, dparams, psm_label = resolve_psm(model, plan, spec, psm_layers)
+        engine_drafter = PSMDrafter(cfg, psm_cfg)
+    elif drafter == "oracle":
+        if oracle_tokens is None:
+            raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
+        engine_drafter = OracleDrafter(k=1, vocab_size=cfg.vocab_size)
+    else:
+        engine_drafter = NoDrafter(cfg.vocab_size)
     psm_device = psm_device_for(model, plan, psm_cfg, psm_placement) if psm_cfg else plan.n - 1
-    anchors = psm_cfg.anchors if psm_cfg else (0,)
-    layout = stages.StageLayout.of(cfg, plan, anchors, devices=plan.n + (psm_device == plan.n))
+    # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
+    layout = stages.StageLayout.of(cfg, plan, engine_drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
     mesh = stage_mesh(layout.devices)
 
     P_ = int(prompt.size)
@@ -136,37 +153,34 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
                               put({k: v for k, v in model.params.items() if k != "layers"}, rep))
     stage_w, prog, shared = model.runtime[key]
     caches = put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
-    if psm_cfg:
-        pc = init_kv_cache(cfg, psm_cfg.num_layers, 1, cache_len, model.dtype)
-        psm_cache = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)), pc), st)
-    else:
-        psm_cache = put(jnp.zeros((layout.devices, 1), model.dtype), st)
-    if psm_label != "given":
+    if drafter == "oracle":  # its params: the reference token at every position of the cache
+        ref = np.zeros((cache_len,), np.int32)
+        toks = np.asarray(oracle_tokens, np.int32)[: cache_len - P_]
+        ref[P_:P_ + toks.size] = toks
+        dparams = ref
+    # one copy of the drafter's state per device (used on the drafter's device)
+    dstate = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)),
+                              engine_drafter.init(dparams, cache_len, model.dtype)), st)
+    if drafter == "psm" and psm_label != "given":
         # replicated once per (PSM, mesh), not on every call
         pkey = ("psm_on_mesh", psm_label, psm_cfg, tuple(d.id for d in mesh.devices.flat))
         if pkey not in model.runtime:
-            model.runtime[pkey] = put(psm_vars, rep)
-        psm_vars = model.runtime[pkey]
+            model.runtime[pkey] = put(dparams, rep)
+        dparams = model.runtime[pkey]
     else:
-        psm_vars = put(psm_vars, rep)
+        dparams = put(dparams, rep)
 
     prompt_arr = np.zeros((1, p_pad), np.int32)
     prompt_arr[0, :P_] = prompt
     eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
     eos = eos if eos.size else np.array([-1], np.int32)
-    ref = np.zeros((cache_len,), np.int32)
-    if drafter == "oracle":
-        if oracle_tokens is None:
-            raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
-        toks = np.asarray(oracle_tokens, np.int32)[: cache_len - P_]
-        ref[P_:P_ + toks.size] = toks
-    args = (stage_w, prog, shared, psm_vars, caches, psm_cache,
+    args = (stage_w, prog, shared, dparams, caches, dstate,
             *put((jnp.asarray(prompt_arr), jnp.int32(P_), jnp.int32(max_new_tokens), jnp.asarray(eos),
-                  sp.runtime(), jnp.asarray(ref)), rep))
+                  sp.runtime()), rep))
 
     # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
-    ec = EngineConfig(cfg, layout, psm_cfg, drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
+    ec = EngineConfig(cfg, layout, engine_drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
     events = cache_events()
     exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))

@@ -20,8 +20,11 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
 - the committed sequence and the pipeline bookkeeping are replicated: each in-flight token's position
   follows from the newest position t and its depth (t - d), so nothing else travels.
 
-Drafters: "psm" (the Pipeline Speculation Module), "none" (the plain pipeline, one token in flight:
-the resource-matched baseline) and "oracle" (test only: proposes given reference tokens).
+Drafters (`drafters.base.SpdDrafter`, a static part of the engine's config): the Pipeline Speculation
+Module (`drafters.psm.PSMDrafter`), none (`NoDrafter`: the plain pipeline, one token in flight, the
+resource-matched baseline) and oracle (`OracleDrafter`, tests only: proposes given reference tokens).
+The engine hands a drafter the cycle's state and its own pieces (`SpdCycle`, `SpdOps`): the embedding,
+a cond onto the drafter's device, the broadcast from it, and the choice over the vocabulary shards.
 
 Rollback after a rejection at position r is free of copies: attention caches are position-indexed,
 Gated DeltaNet layers read their state for position r-1 from a ring of n saved states, and the PSM's
@@ -43,19 +46,10 @@ from spd_jax.decode.sampling import token_key
 from spd_jax.models import decoder
 from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec, vary
 from spd_jax.pipeline.stages import StageLayout, stage_forward
-from spd_jax.drafters.psm import PSM, PSMConfig
+from spd_jax.drafters.base import SpdCycle, SpdDrafter, SpdOps
 
-DRAFTERS = ("psm", "none", "oracle")
 # Test hook only: accept every draft (a deliberately wrong rule the sampling test must detect).
 _TEST_ACCEPT_EVERY_DRAFT = False
-
-
-def check_drafter(drafter) -> None:
-    """Refuse a drafter the engine does not run (it would otherwise draft token 0 every cycle)."""
-    if drafter not in DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r} for the pipelined methods: one of {', '.join(DRAFTERS)} "
-                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
-                         "method=\"eagle3\"")
 
 
 class LoopState(NamedTuple):
@@ -65,7 +59,7 @@ class LoopState(NamedTuple):
     t: jax.Array  # position of the newest token (the one entering stage 0)
     valid: jax.Array  # [n] bool: whether the token at depth d (position t - d) is in flight
     completed: jax.Array  # positions < completed are verified
-    psm_len: jax.Array  # rows [0, psm_len) are in the PSM's cache
+    cached: jax.Array  # positions < cached are in the drafter's state
     n_commit: jax.Array  # positions < n_commit are committed
     table: jax.Array  # [W, m, H] anchor states of recent positions, a ring over positions
     cycles: jax.Array
@@ -79,27 +73,29 @@ class StageCarry(NamedTuple):
 
     x: jax.Array  # [1, 1, H] the hidden state entering this stage next cycle
     cache: Any  # this stage's layer caches
-    pcache: Any  # the PSM's KV cache (used on the PSM's device)
-    qring: jax.Array  # [n, rows] this stage's shard of q for each in-flight draft (sampling with the PSM)
+    dstate: Any  # the drafter's state (its cache: used on the drafter's device)
+    qring: jax.Array  # [n, rows] this stage's shard of q for each in-flight draft (sampling with drafts)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     cfg: ModelConfig
     layout: StageLayout
-    psm: PSMConfig | None  # required for drafter "psm"
-    drafter: str
+    drafter: SpdDrafter  # hashable: a frozen dataclass of static configuration
     greedy: bool
     filtered: bool
     top_k_cap: int  # 0 = no top-k; else a power of two >= top_k: the candidates a top-k filter gathers per shard
     prompt_pad: int
     cache_len: int
-    psm_device: int | None = None  # the PSM body's device: a stage 0..n-1 (None: the last) or n (its own)
+    psm_device: int | None = None  # the drafter's device: a stage 0..n-1 (None: the last) or n (its own)
 
     def __post_init__(self):
-        check_drafter(self.drafter)
-        if self.drafter == "psm" and self.psm is None:
-            raise ValueError("drafter 'psm' needs the PSM's config (EngineConfig.psm), got None")
+        if self.drafter.k not in (0, 1):
+            raise ValueError(f"the SPD engine drafts one token per cycle (k = 1) or none (k = 0); "
+                             f"{type(self.drafter).__name__} has k = {self.drafter.k}")
+        if self.drafter.anchors and self.drafter.anchors != self.layout.anchors:
+            raise ValueError(f"the drafter reads anchors {self.drafter.anchors}, the stage layout gathers "
+                             f"{self.layout.anchors}")
         if not 0 <= self.psm_dev <= self.n or (self.psm_dev == self.n) != (self.layout.devices == self.n + 1):
             raise ValueError(f"psm_device {self.psm_device} with {self.layout.devices} devices for {self.n} stages: "
                              f"a stage 0..{self.n - 1}, or {self.n} (its own device) with a layout of n + 1 devices")
@@ -118,15 +114,16 @@ class EngineConfig:
 
 
 def build(ec: EngineConfig, mesh):
-    """-> jitted fn(stage_w, prog, shared, psm_vars, caches, psm_cache, prompt, prompt_len, max_new,
-    eos_ids, sp, ref) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S], caches,
-    psm_cache). Caches are donated."""
+    """-> jitted fn(stage_w, prog, shared, drafter_params, caches, drafter_state, prompt, prompt_len,
+    max_new, eos_ids, sp) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S],
+    caches, drafter_state). Caches and the drafter's state ([devices, ...], one copy per device) are
+    donated."""
     # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
     smap = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(st, st, rep, rep, st, st, rep, rep, rep, rep, rep, rep),
+        in_specs=(st, st, rep, rep, st, st, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
         # Varying-ness is checked: replicated values (the sequence, the bookkeeping, the decision) come
         # out of psum-broadcasts from the deciding stage, so JAX proves them identical on every stage;
@@ -136,21 +133,20 @@ def build(ec: EngineConfig, mesh):
     return jax.jit(smap, donate_argnums=(4, 5))
 
 
-def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache, prompt, prompt_len, max_new,
-            eos_ids, sp, ref):
+def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, prompt, prompt_len, max_new,
+            eos_ids, sp):
     cfg, lay, n = ec.cfg, ec.layout, ec.n
     last, m, H, S, Pp = n - 1, len(lay.anchors), cfg.hidden_size, ec.cache_len, ec.prompt_pad
     D = ec.devices  # n, or n + 1 with the PSM on its own device (which runs no layers)
     W = n + 2  # anchor-table ring over positions; > the n + 1 positions a cycle can touch
     s = jax.lax.axis_index(STAGE)
-    is_psm = s == ec.psm_dev
     w = jax.tree.map(lambda t: t[0], stage_w)
     pr = jax.tree.map(lambda t: t[0], prog)
     cache = jax.tree.map(lambda t: t[0], caches)
-    pcache = jax.tree.map(lambda t: t[0], psm_cache)
+    dstate = jax.tree.map(lambda t: t[0], dstate)
     fwd = [(i, i + 1) for i in range(n - 1)]
-    use_psm = ec.drafter == "psm"
-    module = PSM(cfg, ec.psm) if use_psm else None
+    drafter = ec.drafter
+    drafts, gathers = drafter.k > 0, bool(drafter.anchors)  # static: what the cycle computes
     produces = jnp.stack([jnp.any(pr["anchor_id"] == a) for a in range(m)])  # anchors this stage makes
 
     def bcast(v, src=last):
@@ -184,6 +180,40 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             return vocab.argmax(logits, ids_v, STAGE)
         return vocab.categorical(token_key(sp["seed"], pos), warp(logits, own_v, vs.rows), ids_v, V, STAGE)
 
+    # ---------------- what the drafter runs through (drafters.base.SpdOps)
+    on_drafter = s == ec.psm_dev
+
+    def draft_choice(drafter_head, token_ids, pos):
+        """The draft for `pos` from the drafter's head, sharded over the devices as the target's is: its
+        rows (V, or a draft vocabulary's V') split D ways, the choice made by collectives."""
+        hs = vocab.Shards(V if token_ids is None else token_ids.shape[0], D)
+        rows, own = hs.ids(s), hs.own(s)
+        ids = rows if token_ids is None else token_ids[rows]
+        logits = jnp.where(own, drafter_head(hs.start(s), hs.rows), -jnp.inf)  # [rows]
+        if ec.greedy:
+            return vocab.argmax(logits, ids, STAGE), None
+        warped = warp(logits, own, hs.rows)
+        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], pos), vocab.DRAFT), warped, ids, V, STAGE)
+        q = vocab.softmax(warped, STAGE)  # over this device's head rows
+        if token_ids is not None:  # head rows -> this device's target-vocabulary shard (V' values cross, not V)
+            every = jax.lax.all_gather(q, STAGE)  # [D, rows]
+            row_of = jnp.stack([hs.ids(r) for r in range(D)])
+            q_rows = jnp.zeros(token_ids.shape, q.dtype).at[row_of].add(
+                jnp.where(jnp.stack([hs.own(r) for r in range(D)]), every, 0.0))
+            at = token_ids - vs.start(s)  # position in this device's target-vocabulary shard
+            mine = (at >= 0) & (at < vs.rows) & (token_ids >= s * vs.rows)
+            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
+        return d, q
+
+    ops = SpdOps(
+        embed=lambda ids: decoder.embed(shared, ids[None])[0],
+        final_norm=shared["final_norm"],
+        on_device=lambda fn, other, operand: jax.lax.cond(on_drafter, fn, other, operand),
+        broadcast=lambda v: bcast(v, ec.psm_dev),
+        vary=lambda v: vary(v, STAGE),
+        choose=draft_choice,
+        point_mass=lambda d: None if ec.greedy else (own_v & (ids_v == d)).astype(jnp.float32))
+
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
     emb = decoder.embed(shared, prompt)  # [1, Pp, H]
@@ -203,65 +233,22 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
     h_last = bcast(jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)[0, 0])  # [H], the last stage's
     y0 = target_choice(target_logits(h_last), prompt_len)
 
-    if use_psm:  # the prompt's rows, all of the deepest type, into the PSM cache
-        anc_all = jax.lax.psum(anc_prompt, STAGE).at[0].set(emb)  # [m, 1, Pp, H]
-
-        def psm_prefill(pc):
-            # the PSM's rows meet its (per-stage) cache inside its layer scan: cast to that type first
-            return module.apply(psm_vars, vary(jnp.moveaxis(anc_all[:, 0], 0, 1), STAGE), pc, method=PSM.prefill)
-
-        pcache = jax.lax.cond(is_psm, psm_prefill, lambda pc: pc, pcache)
+    if gathers:  # the prompt's anchor states, every position verified, into the drafter's state
+        anchor_states = jax.lax.psum(anc_prompt[:, 0], STAGE).at[0].set(emb[0])  # [m, Pp, H]
+        dstate = drafter.spd_prefill(dparams, dstate, anchor_states, ops)
 
     positions = jnp.arange(S)
     seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
     seq = seq.at[prompt_len].set(y0)
-    sampling_psm = use_psm and not ec.greedy
+    sampled_drafts = drafts and not ec.greedy
     state = LoopState(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
-                      psm_len=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
+                      cached=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
                       cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
                       done=jnp.any(y0 == eos_ids) | (max_new <= 1))
     # per-stage carries: what the stages compute differs between them from the first cycle on
-    local = vary(StageCarry(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, pcache=pcache,
-                            qring=jnp.zeros((n, vs.rows) if sampling_psm else (1, 1), jnp.float32)), STAGE)
+    local = vary(StageCarry(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, dstate=dstate,
+                            qring=jnp.zeros((n, vs.rows) if sampled_drafts else (1, 1), jnp.float32)), STAGE)
     budget_end = prompt_len + max_new  # positions < budget_end may be generated
-
-    if use_psm:  # the PSM's head rows (its draft vocabulary's, or the whole vocabulary's), sharded the same way
-        tok_ids = module.apply(psm_vars, method=PSM.token_ids)  # [V'] token id of each head row
-        qs = vocab.Shards(tok_ids.shape[0], D)
-        rows_q, own_q = qs.ids(s), qs.own(s)
-
-    def draft_psm(st, loc):
-        """The draft for t + 1: the PSM body on its device, its head and the choice over every device.
-        -> (draft token, PSM cache, q ring with this stage's shard of q for t + 1 when sampling)."""
-        t, pc = st.t, st.psm_len
-        rows_pos = pc + jnp.arange(n + 1)  # pc <= completed <= t <= pc + n
-
-        def body(a):
-            st, pcache = a
-            h = st.table[rows_pos % W].at[:, 0].set(
-                decoder.embed(shared, st.seq[jnp.clip(rows_pos, 0, S - 1)][None])[0])
-            return module.apply(psm_vars, vary(h, STAGE), pcache, pc, t, st.completed, method=PSM.draft_hidden)
-
-        x_d, pcache = jax.lax.cond(is_psm, body, lambda a: (vary(jnp.zeros((H,), emb.dtype), STAGE), a[1]),
-                                   (st, loc.pcache))
-        h_d = bcast(x_d, ec.psm_dev)  # [H], the PSM device's
-        logits = jnp.where(own_q, module.apply(psm_vars, h_d, shared["final_norm"], qs.start(s), qs.rows,
-                                               method=PSM.head_logits), -jnp.inf)  # [rows_q]
-        if ec.greedy:
-            return vocab.argmax(logits, tok_ids[rows_q], STAGE), pcache, loc.qring
-        warped = warp(logits, own_q, qs.rows)
-        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], t + 1), vocab.DRAFT), warped, tok_ids[rows_q],
-                              V, STAGE)
-        q = vocab.softmax(warped, STAGE)  # over this stage's head rows
-        if ec.psm.draft_vocab:  # head rows -> this stage's target-vocabulary shard (V' values cross, not V)
-            every = jax.lax.all_gather(q, STAGE)  # [D, rows_q]
-            row_of = jnp.stack([qs.ids(r) for r in range(D)])
-            q_rows = jnp.zeros(tok_ids.shape, q.dtype).at[row_of].add(
-                jnp.where(jnp.stack([qs.own(r) for r in range(D)]), every, 0.0))
-            at = tok_ids - vs.start(s)  # position in this stage's target-vocabulary shard
-            mine = (at >= 0) & (at < vs.rows) & (tok_ids >= s * vs.rows)
-            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
-        return d, pcache, loc.qring.at[(t + 1) % n].set(q)
 
     def verify(st, loc, x_out):
         """Every stage, on its vocabulary shard: the token at p leaves the last stage; its logits decide
@@ -273,8 +260,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         if ec.greedy:
             ok, y = vocab.verify_greedy(logits, ids_v, drafted, STAGE)
             return has_next & ok, y
-        # oracle drafts: q is a point mass
-        q_dist = loc.qring[p1 % n] if sampling_psm else (own_v & (ids_v == drafted)).astype(jnp.float32)
+        # the draft at p1's q (read only when has_next; without drafts there is none)
+        q_dist = loc.qring[p1 % n] if sampled_drafts else jnp.zeros((vs.rows,), jnp.float32)
         ok, y = vocab.verify_sampled(token_key(sp["seed"], p1), warp(logits, own_v, vs.rows), q_dist, drafted,
                                      has_next, ids_v, own_v, V, STAGE)
         if _TEST_ACCEPT_EVERY_DRAFT:
@@ -286,14 +273,15 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
         t, valid, seq = st.t, st.valid, st.seq
 
         # 1. draft x_{t+1} from the states at the start of the cycle (early start)
-        can_draft = (t + 1 < budget_end) & (ec.drafter != "none")
-        pcache, qring = loc.pcache, loc.qring
-        if use_psm:
-            draft, pcache, qring = draft_psm(st, loc)
-        elif ec.drafter == "oracle":
-            draft = ref[jnp.minimum(t + 1, S - 1)]
-        else:
-            draft = jnp.int32(0)
+        can_draft = (t + 1 < budget_end) & drafts
+        dstate, qring = loc.dstate, loc.qring
+        draft = jnp.int32(0)
+        if drafts:
+            draft, q, dstate = drafter.spd_draft(
+                dparams, dstate, SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table),
+                ops)
+            if sampled_drafts:
+                qring = qring.at[(t + 1) % n].set(q)
 
         # 2. every stage advances its token
         # a PSM device of its own (s == n) holds no stage: never valid
@@ -307,7 +295,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
 
         # 3. anchor states of the in-flight tokens, gathered everywhere
         table = st.table
-        if use_psm:
+        if gathers:
             slot = pos_s % W
             mine = produces & valid_s
             contrib = jax.lax.psum(jnp.zeros((W, m, H), anc.dtype).at[slot].set(anc[:, 0, 0] * mine[:, None]), STAGE)
@@ -336,7 +324,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             t=jnp.where(replace, p1, t + 1),
             valid=jnp.where(replace, flushed, shifted),
             completed=jnp.where(verified, p1, st.completed),
-            psm_len=st.completed,  # this cycle's PSM block wrote every completed row
+            cached=st.completed,  # this cycle's draft block wrote every completed row
             n_commit=n_commit,
             cycles=st.cycles + 1,
             accepted=st.accepted + accept.astype(jnp.int32),
@@ -344,11 +332,11 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, psm_vars, caches, psm_cache
             done=(verified & jnp.any(committed == eos_ids)) | (n_commit - prompt_len >= max_new),
         )
         # 5. hidden states move one stage on
-        return new, StageCarry(x=permute(x_out), cache=cache, pcache=pcache, qring=qring)
+        return new, StageCarry(x=permute(x_out), cache=cache, dstate=dstate, qring=qring)
 
     max_cycles = max_new * n + n + 2  # a safety bound: every n cycles commit at least one token
     state, local = jax.lax.while_loop(lambda c: ~c[0].done & (c[0].cycles < max_cycles), cycle,
                                       (state, local))
     lift = lambda t: t[None]  # noqa: E731
     return (state.seq, state.n_commit, state.cycles, state.accepted, state.rejected,
-            state.seq[None], jax.tree.map(lift, local.cache), jax.tree.map(lift, local.pcache))
+            state.seq[None], jax.tree.map(lift, local.cache), jax.tree.map(lift, local.dstate))

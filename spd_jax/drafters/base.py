@@ -1,6 +1,12 @@
-"""The chain drafter interface (what `decode.chain` asks of a drafter) and the drafters without a
-network: none (no drafts: the chain loop is then plain autoregressive decoding) and oracle (proposes
-given reference tokens; tests only).
+"""What the two speculative engines ask of a drafter, and the drafters without a network: none (no
+drafts: the chain loop is then autoregressive decoding, the SPD engine the plain pipeline) and oracle
+(proposes given reference tokens; tests only).
+
+`ChainDrafter` is what `decode.chain` asks (k drafts per round, then the verified count); `SpdDrafter`
+what the SPD engine (`decode.spd`) asks (one draft per cycle for the token entering stage 0, from the
+anchor states of the tokens in flight). A drafter implements the one its engine runs (the PSM
+`drafters.psm.PSMDrafter`: SPD; the EAGLE-3-style `drafters.eagle3.Eagle3Drafter`: chain), none and
+oracle both; the engines hold no drafter-specific branches, only these calls.
 
 A drafter is a frozen dataclass: hashable, a static argument of the jitted loop, holding only static
 configuration (chain length k, the target features it reads, its network's config). Its weights
@@ -17,7 +23,7 @@ rejection needs no rollback: the next round overwrites the rejected rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +58,52 @@ class ChainDrafter(Protocol):
         [pos, pos+count) are now verified. -> state."""
 
 
+class SpdCycle(NamedTuple):
+    """What the SPD engine knows at the start of a cycle, for the draft of position t + 1 (replicated:
+    the same on every device)."""
+
+    seq: jax.Array  # [S] int32: committed tokens, then the in-flight drafts
+    t: jax.Array  # position of the newest token (the one entering stage 0 this cycle)
+    completed: jax.Array  # positions < completed are verified
+    cached: jax.Array  # positions < cached are in the drafter's state (its cache) already
+    table: jax.Array  # [W, m, H] the anchor states of positions t - W + 1 .. t (a ring: position % W)
+
+
+class SpdOps(NamedTuple):
+    """The SPD program's pieces a drafter runs through (inside one `shard_map` over the `stage` axis)."""
+
+    embed: Callable[[jax.Array], jax.Array]  # token ids [...] -> the target's embeddings [..., H]
+    final_norm: jax.Array  # [H] the target's final norm weight (a drafter sharing the target's head)
+    # on_device(fn, other, operand): fn(operand) on the drafter's device, other(operand) elsewhere (a
+    # `lax.cond`: a drafter's layers run once, on one device); both return the same (varying) types
+    on_device: Callable[[Callable, Callable, Any], Any]
+    broadcast: Callable[[jax.Array], jax.Array]  # the drafter's device's value, on every device
+    vary: Callable[[Any], Any]  # a replicated value cast to per-device (varying), as loop carries need
+    # choose(head, token_ids, pos) -> (draft token int32, q): the draft for position pos from a head
+    # over rows of token ids (None: the whole vocabulary in order; else [V'] the token id of each row);
+    # head(start, rows) -> float32 logits [rows] of rows [start, start + rows), this device's shard.
+    # Greedy: the argmax; sampling: a draw with the position's draft key, q [rows] this device's shard
+    # of the target-vocabulary distribution verification reads (None when greedy).
+    choose: Callable[[Callable, jax.Array | None, jax.Array], tuple[jax.Array, jax.Array | None]]
+    # point_mass(token) -> q of a drafter that proposes a token with certainty (None when greedy)
+    point_mass: Callable[[jax.Array], jax.Array | None]
+
+
+class SpdDrafter(Protocol):
+    k: int  # drafts per cycle: 1, or 0 for none (the engine then runs the plain pipeline)
+    anchors: tuple[int, ...]  # hidden-state indices it reads from the tokens in flight (() for none)
+
+    def init(self, params: Any, cache_len: int, dtype) -> Any:
+        """-> a fresh per-sequence state for positions [0, cache_len) (one copy per device)."""
+
+    def spd_prefill(self, params: Any, state: Any, anchor_states: jax.Array, ops: SpdOps) -> Any:
+        """The prompt's positions, all verified: anchor_states [m, P_pad, H] (rows past the prompt are
+        padding). -> state."""
+
+    def spd_draft(self, params: Any, state: Any, cycle: SpdCycle, ops: SpdOps):
+        """-> (the draft token for position cycle.t + 1, its q (`ops.choose`'s), state)."""
+
+
 def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) -> jax.Array:
     """emb [B, T, H], hidden [L, B, T, H] (every layer's output, `run_layers(collect_hidden=True)`) ->
     [B, T, len(layers) * H]: h_l for each l in layers, concatenated ([B, T, 0] for no layers)."""
@@ -62,7 +114,8 @@ def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) ->
 
 @dataclasses.dataclass(frozen=True)
 class NoDrafter:
-    """No drafts (k = 0): each round is one target pass that commits its own token, i.e. `ar`."""
+    """No drafts (k = 0): each chain round is one target pass that commits its own token, i.e. `ar`;
+    the SPD engine with it is the plain pipeline (one token in flight)."""
 
     vocab_size: int
     k: int = 0
@@ -80,12 +133,22 @@ class NoDrafter:
     def commit(self, params, state, feats, next_tokens, pos, count):
         return state
 
+    @property
+    def anchors(self) -> tuple[int, ...]:
+        return ()
+
+    def spd_prefill(self, params, state, anchor_states, ops):
+        return state
+
+    def spd_draft(self, params, state, cycle, ops):
+        raise AssertionError("the SPD engine asks a drafter with k = 0 for no draft")
+
 
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     """Proposes given reference tokens (tests only): params = `reference(prompt_len, tokens)`, the
     reference token at each absolute position (token 0 past its end). Its q is a point mass on the
-    draft."""
+    draft. In the SPD engine k = 1 (one draft per cycle)."""
 
     k: int
     vocab_size: int
@@ -108,3 +171,14 @@ class OracleDrafter:
 
     def commit(self, params, state, feats, next_tokens, pos, count):
         return state
+
+    @property
+    def anchors(self) -> tuple[int, ...]:
+        return ()
+
+    def spd_prefill(self, params, state, anchor_states, ops):
+        return state
+
+    def spd_draft(self, params, state, cycle, ops):
+        draft = jnp.take(params, cycle.t + 1, mode="fill", fill_value=0)
+        return draft, ops.point_mass(draft), state

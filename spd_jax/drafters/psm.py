@@ -14,8 +14,8 @@ outside it (sampling stays lossless: verification only ever sees a q with zeros)
 the training loss over V' cost V'/V of the full ones.
 
 This module is the one home of the PSM's feature code: anchor gathering (`anchor_states`), staircase
-typing (`row_types`), rows, the engine's per-cycle draft (`PSM.draft_hidden`, then the head on
-vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
+typing (`row_types`), rows, the engine's per-cycle draft (`PSMDrafter`: `PSM.draft_hidden`, then the
+head on vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
 (`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
 inference (tests/test_psm_train.py checks it). Checkpoints are orbax + a JSON sidecar naming the target,
 pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
@@ -282,6 +282,57 @@ class PSM(nn.Module):
     def __call__(self, h, types, cache, pos, final_norm):
         x, cache = self.forward(self.rows(h, types)[None], cache, pos)
         return self.logits(x[0], final_norm), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PSMDrafter:
+    """The PSM as the SPD engine's drafter (`drafters.base.SpdDrafter`): its state is its KV cache of
+    completed rows; each cycle it recomputes the block of rows from the first uncached position to the
+    newest token (completed rows of the deepest type, in-flight rows typed by their depth) on the
+    drafter's device, and its head runs on every device's shard. params: `init_psm` / `load_psm`'s
+    variables."""
+
+    cfg: ModelConfig  # the target's
+    spec: PSMConfig
+    k: int = 1
+
+    @property
+    def anchors(self) -> tuple[int, ...]:
+        return self.spec.anchors
+
+    @property
+    def module(self) -> PSM:
+        return PSM(self.cfg, self.spec)
+
+    def init(self, params, cache_len: int, dtype):
+        return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
+
+    def spd_prefill(self, params, state, anchor_states, ops):
+        def prefill(cache):  # the rows meet the (per-device) cache inside the layer scan: cast them first
+            return self.module.apply(params, ops.vary(jnp.moveaxis(anchor_states, 0, 1)), cache,
+                                     method=PSM.prefill)
+
+        return ops.on_device(prefill, lambda cache: cache, state)
+
+    def spd_draft(self, params, state, cycle, ops):
+        n, S, W = self.spec.n, cycle.seq.shape[0], cycle.table.shape[0]
+        pos = cycle.cached + jnp.arange(n + 1)  # cached <= completed <= t <= cached + n
+
+        def body(cache):
+            h = cycle.table[pos % W].at[:, 0].set(ops.embed(cycle.seq[jnp.clip(pos, 0, S - 1)]))  # [n + 1, m, H]
+            return self.module.apply(params, ops.vary(h), cache, cycle.cached, cycle.t, cycle.completed,
+                                     method=PSM.draft_hidden)
+
+        x, state = ops.on_device(body, lambda cache: (ops.vary(jnp.zeros((self.cfg.hidden_size,), cycle.table.dtype)),
+                                                       cache), state)
+        h = ops.broadcast(x)  # [H], the drafter device's
+
+        def head(start, rows):
+            return self.module.apply(params, h, ops.final_norm, start, rows, method=PSM.head_logits)
+
+        ids = self.module.apply(params, method=PSM.token_ids) if self.spec.draft_vocab else None
+        draft, q = ops.choose(head, ids, cycle.t + 1)
+        return draft, q, state
 
 
 def _select(g: jax.Array, types: jax.Array) -> jax.Array:
