@@ -35,6 +35,7 @@ import numpy as np
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features
 from spd_jax.drafters.psm import check_vocab_ids, target_head, target_signature
+from spd_jax.drafters.store import restore_variables
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
@@ -399,8 +400,6 @@ def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=j
                 layers: Sequence[int] | None = None) -> tuple[Eagle3Config, dict]:
     """Load a drafter saved by `save_eagle3`, refusing one trained for another target (or other layers).
     One saved without its LM head ("head": "shared") gets the target's."""
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, str(path), layers)
@@ -411,10 +410,7 @@ def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=j
     abstract = jax.eval_shape(lambda: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab)))
     if shared:
         del abstract["params"]["lm_head"]
-    # onto this process's first device, whatever mesh the trainer saved from (the chain runs on one device)
-    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
-    variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    variables = restore_variables(path, abstract)
     if spec.draft_vocab:
         check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
     if shared:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.drafters.store import restore_variables
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
                                       softmax_blocks)
@@ -474,8 +475,6 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
              dtype=jnp.float32, anchors: Sequence[int] | None = None) -> tuple[PSMConfig, dict]:
     """Load a PSM saved by `save_psm`, refusing one trained for another target, n, plan or anchors. A
     PSM saved without its LM head (psm.json "head": "shared") uses the target's, frozen in training."""
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, stage_counts, str(path), anchors)
@@ -484,7 +483,7 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
                                                vocab_ids=np.arange(spec.draft_vocab)))
     if shared:
         del abstract["params"]["lm_head"]
-    variables = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    variables = restore_variables(path, abstract)
     if spec.draft_vocab:
         check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
     if shared:

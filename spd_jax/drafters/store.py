@@ -1,5 +1,6 @@
-"""Writing a drafter checkpoint: its variables (orbax) and its identity (JSON) in a new directory, once
-per job (every process takes part in the orbax save; process 0 alone writes the JSON)."""
+"""A drafter checkpoint: its variables (orbax) and its identity (JSON) in a new directory, written once
+per job (every process takes part in the orbax save; process 0 alone writes the JSON), and read back
+onto this process's first device."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
     ckptr.wait_until_finished()
     if distributed.is_leader():
         (path / meta_name).write_text(json.dumps(meta, indent=1))
+
+
+def restore_variables(path: str | Path, abstract: dict) -> dict:
+    """path/params (orbax) -> variables of `abstract`'s shapes and dtypes, on this process's first device,
+    whatever mesh the trainer saved from (an 8x1 data-parallel run restores on a laptop); the engines place
+    them from there."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
+    return ocp.StandardCheckpointer().restore(Path(path) / "params", abstract)
