@@ -9,7 +9,8 @@ device (mesh 1x1), random tokens with every position in the loss:
   step_ms      the whole optimiser step (teacher, PSM forward and backward, AdamW update)
   tokens_s     batch * seq / step time
 and each variant's speedup over the first. Times are medians over --repeats after one compiling call; they
-include nothing but the on-device computation (inputs already on the device, one block at the end).
+include the step's computation and the copy of its host (numpy) batch to the device on each call, as in
+training (train.main feeds host batches too), with one block at the end; compilation is excluded.
 """
 
 from __future__ import annotations

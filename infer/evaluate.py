@@ -59,7 +59,12 @@ def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not a JSON object: {e}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n} is not a JSON object (a benchmark line holds one prompt's fields)")
             if "prompt_ids" in obj:
                 out.append({"ids": [int(t) for t in obj["prompt_ids"]]})
             elif (text := prompt_field(obj)) is not None:
@@ -395,8 +400,8 @@ def main(argv=None) -> int:
     if not args.no_compile_cache:
         spd_jax.enable_persistent_cache()
     try:
+        benches = {b: read_benchmark(b, args.limit) for b in args.bench}  # a bad --bench fails before the load
         model = spd_jax.load_model(args.model)
-        benches = {b: read_benchmark(b, args.limit) for b in args.bench}
         out = Path(args.out)
         if leader:  # before any row, so a killed run's rows have their command too
             out.mkdir(parents=True, exist_ok=True)

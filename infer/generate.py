@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import spd_jax  # after argument parsing: --help stays instant
+    import spd_jax  # after the device set-up, which must precede JAX's initialisation
 
     if not args.no_compile_cache:
         spd_jax.enable_persistent_cache()

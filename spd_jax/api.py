@@ -296,6 +296,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                          f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
                          "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
 
+    if drafter is not None and method not in ("pipeline", "spd"):
+        raise ValueError(f"drafter={drafter!r} is for method 'spd' or 'pipeline'; method {method!r} takes none"
+                         + (" (its drafter checkpoint is drafter_spec)" if method == "eagle3" else ""))
     if method in ("pipeline", "spd"):
         if stream is not None:
             raise ValueError("streaming is available for method='ar' and 'tp' only")

@@ -31,6 +31,18 @@ def test_unknown_drafter_is_refused(model, method):
                                      drafter="PSM")
 
 
+def test_drafter_of_another_method_is_refused(model):
+    with pytest.raises(ValueError, match="drafter='oracle' is for method 'spd' or 'pipeline'; method 'ar'"):
+        spd_jax.generate(model, [1, 2], 4, drafter="oracle")
+    with pytest.raises(ValueError, match="its drafter checkpoint is drafter_spec"):
+        spd_jax.generate(model, [1, 2], 4, method="eagle3", drafter="random")
+
+
+def test_stage_counts_must_match_n(model):
+    with pytest.raises(ValueError, match=r"2 stage layer counts \[1, 3\] for n=4 stages: .*--n 2"):
+        spd_jax.generate(model, [1, 2], 4, method="pipeline", n=4, stage_layers=[1, 3])
+
+
 def test_engine_config_checks_its_drafter(model):
     """The engine's drafter is an object (drafters.base.SpdDrafter): one draft per cycle or none, reading
     the anchors the stage layout gathers."""

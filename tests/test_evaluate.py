@@ -78,6 +78,16 @@ def test_known_benchmarks_follow_the_reference_conventions():
         evaluate.read_benchmark("nope")
 
 
+def test_a_bad_benchmark_line_is_named(tmp_path):
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "cut\n')
+    with pytest.raises(ValueError, match=r"b.jsonl:2 is not a JSON object"):
+        evaluate.read_benchmark(str(bad))
+    bad.write_text('["a list"]\n')
+    with pytest.raises(ValueError, match=r"b.jsonl:1 is not a JSON object"):
+        evaluate.read_benchmark(str(bad))
+
+
 def test_the_commands_that_made_the_rows_are_recorded(tmp_path):
     evaluate.record_command(tmp_path, ["--methods", "ar,spd", "--limit", "40"])
     evaluate.record_command(tmp_path, ["--methods", "eagle3", "--k", "3,7"])

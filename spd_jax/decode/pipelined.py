@@ -44,6 +44,9 @@ def check_drafter(drafter) -> None:
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
     """Uniform when n divides L and layers cost the same; else balanced on per-token decode bytes."""
+    if stage_layers is not None and len(stage_layers) != n:
+        raise ValueError(f"{len(stage_layers)} stage layer counts {list(stage_layers)} for n={n} stages: give n "
+                         f"counts, or n={len(stage_layers)} (--n {len(stage_layers)})")
     costs = [c.bytes for c in layer_costs(model.config, context_len=1024)]
     return plan_stages(model.config.num_layers, n, stage_layers, costs)
 
@@ -54,21 +57,24 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
     (PSMConfig, variables).
     -> (config, vars in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are),
     label)."""
-    n = plan.n
+    n, why = plan.n, "an untrained PSM was asked for (spec=\"random\", --random-psm)"
     if isinstance(spec, str) and spec == "random":
         spec = None
     elif spec is None:  # the PSM shipped for a default model at this n, else a random one
         from spd_jax.convert.defaults import canonical_name
 
         spec = shipped_psm(canonical_name(model.path.name), n)
+        why = "no PSM checkpoint given (--spec) and none ships for this model at this n"
         if spec is not None and read_spec(spec).plan != plan.counts:
-            spec = None  # shipped for the default plan; an explicit other plan gets a random PSM
+            why = (f"the PSM shipped for this model at n={n} was trained for the stage plan "
+                   f"{list(read_spec(spec).plan)}, not {list(plan.counts)}")
+            spec = None  # an explicit other plan gets a random PSM
     if spec is None:
         cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
         if not _random_psm_noted:  # once per process, not once per call
             _random_psm_noted.append(True)
-            log.warning("spd: no PSM checkpoint given (--spec); using a randomly initialised PSM. Output is "
-                        "still exactly the target's, but few drafts will be accepted.")
+            log.warning(f"spd: {why}; using a randomly initialised PSM. Output is still exactly the target's, "
+                        "but few drafts will be accepted.")
         key = ("random_psm", cfg)
         if key not in model.runtime:
             model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
