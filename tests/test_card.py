@@ -99,6 +99,26 @@ def test_card_refuses_rows_of_two_setups(tmp_path, capsys):
     assert not (psm / "CARD.md").exists()
 
 
+def test_hand_written_sections_survive_and_evaluation_alone_is_rewritten(tmp_path):
+    """A rebuilt card keeps the sections it does not write (e.g. "## Status and limits"); without --run (a
+    drafter whose run directory is gone) only the Evaluation section is rewritten."""
+    run, ev, psm = _psm_run(tmp_path)
+    _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("ar", 1, cycles=10, depth_ratio=1.0))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL1"]) == 0
+    notes = "## Status and limits\n\n- written by hand\n"
+    (psm / "CARD.md").write_text((psm / "CARD.md").read_text() + "\n" + notes)
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL2"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert text.count(notes) == 1 and "EVAL2" in text and "EVAL1" not in text
+    training = text[:text.index("## Evaluation")]
+    _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=40) + _res("ar", 1, cycles=10, depth_ratio=1.0))
+    assert card.main(["--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL3"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert text.startswith(training) and text.count(notes) == 1 and text.index("## Evaluation") < text.index(notes)
+    assert "EVAL3" in text and "EVAL2" not in text and "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.250 | 1.88 |" in text
+    assert card.main(["--eval", str(ev), "--psm", str(tmp_path / "nothing")]) == 2  # no card to update
+
+
 @pytest.mark.parametrize("label", ["random", "given", None])
 def test_untrained_or_unnamed_drafters_are_not_this_one(tmp_path, label):
     assert not card._is_dir(label, tmp_path)

@@ -8,6 +8,12 @@ agreement, quick-eval S0 or tokens per round against training positions), the ex
 psm.json or eagle3.json and EVAL/results.jsonl (`infer.evaluate` rows), and writes DRAFTER/CARD.md and
 DRAFTER/curves.png (the learning curves). Every figure in the card comes from those files.
 
+Sections of an existing CARD.md the card does not write (hand-written ones, e.g. "## Status and limits")
+are kept. Without --run only the existing card's Evaluation section is rewritten (a drafter whose run
+directory is gone):
+
+    python -m train.card --eval runs/eval-11 --psm spd_jax/psms/smollm2-135m-instruct-n8
+
 The evaluation table holds only this drafter's rows (`spd` rows at the PSM's n whose PSM is DRAFTER, or
 `eagle3` rows whose drafter is DRAFTER), with the `ar` rows of the same setup (model, max_new_tokens,
 seed, backend) for reference; EVAL rows of more than one setup for this drafter are refused (evaluate
@@ -155,13 +161,16 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "| step | positions | alpha | S0 |", "|---|---|---|---|",
         *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "",
     ]
-    n = len(spec["plan"])
+    return "\n".join(lines + psm_evaluation(table, eval_cmd, setup, len(spec["plan"]), drafter))
+
+
+def psm_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, n: int, drafter: str) -> list[str]:
+    """The card's "## Evaluation" section (lines) from this PSM's pooled rows."""
+    lines = ["## Evaluation", ""]
     if not table:
-        return "\n".join(lines + _no_rows(
-            f"`spd` row of this PSM at n = {n}",
-            f"python -m infer.evaluate --methods ar,spd --n {n} --spec {drafter} --out EVAL"))
+        return lines + _no_rows(f"`spd` row of this PSM at n = {n}",
+                                f"python -m infer.evaluate --methods ar,spd --n {n} --spec {drafter} --out EVAL")
     from infer.evaluate import method_label
 
     lines += [
@@ -181,7 +190,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
              "another), so tok/s and the ratio are not a projection for real devices; S0 is" if backend == "cpu" else
              f"one {backend} device per stage; S0 is the device-independent figure")
     lines += ["", f"tok/s and the ratio to `ar` are measured on the evaluation's {backend} backend: {where}.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list[dict], eval_cmd: str,
@@ -221,12 +230,16 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
           for r in evals],
         "", "![learning curves](curves.png)", "",
-        "## Evaluation", "",
     ]
+    return "\n".join(lines + eagle3_evaluation(table, eval_cmd, setup, tc.eval_k, drafter))
+
+
+def eagle3_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, k: int, drafter: str) -> list[str]:
+    """The card's "## Evaluation" section (lines) from this EAGLE-3 drafter's pooled rows."""
+    lines = ["## Evaluation", ""]
     if not table:
-        return "\n".join(lines + _no_rows(
-            "`eagle3` row of this drafter",
-            f"python -m infer.evaluate --methods ar,eagle3 --k {tc.eval_k} --drafter {drafter} --out EVAL"))
+        return lines + _no_rows("`eagle3` row of this drafter",
+                                f"python -m infer.evaluate --methods ar,eagle3 --k {k} --drafter {drafter} --out EVAL")
     from infer.evaluate import method_label
 
     lines += [
@@ -243,12 +256,41 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
                      f"{t['tokens']} | {t['alpha']:.3f} | {t['tokens_per_s']:.1f} | {ratio} |")
     lines += ["", f"tok/s and the ratio to `ar` are measured on the evaluation's {setup['backend']} backend (one "
               "device per run); tokens per round is the device-independent figure.", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """Markdown -> [(header, text)] split at "## " headers; the part before the first has header ""."""
+    out, head, buf = [], "", []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            out.append((head, "".join(buf)))
+            head, buf = line.strip(), []
+        buf.append(line)
+    out.append((head, "".join(buf)))
+    return out
+
+
+def merge_card(old: str, new: str, evaluation_only: bool) -> str:
+    """The card to write over `old`. Full (`new` a whole card): new, then old's sections new does not
+    write (hand-written ones, e.g. "## Status and limits"). Evaluation only (`new` the Evaluation
+    section): old with its Evaluation section replaced (or added before any later hand-written one)."""
+    olds = _sections(old)
+    if not evaluation_only:
+        written = {h for h, _ in _sections(new)}
+        kept = "".join(t for h, t in olds if h and h not in written)
+        return new.rstrip("\n") + "\n\n" + kept if kept else new
+    heads = [h for h, _ in olds]
+    if "## Evaluation" in heads:
+        return "".join(new.rstrip("\n") + "\n\n" if h == "## Evaluation" else t for h, t in olds)
+    return old.rstrip("\n") + "\n\n" + new
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.card", description=__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="the training run's --out directory")
+    ap.add_argument("--run", default=None,
+                    help="the training run's --out directory (without it: only the existing CARD.md's Evaluation "
+                         "section is rewritten, e.g. for a drafter whose run directory is gone)")
     ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory with this drafter's rows (only "
                                                   "they and `ar`'s of the same setup go into the card)")
     ap.add_argument("--psm", "--drafter", dest="psm", required=True,
@@ -258,17 +300,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from infer.evaluate import pooled
 
-    run_dir, eval_dir, psm_dir = Path(args.run), Path(args.eval), Path(args.psm)
+    eval_dir, psm_dir = Path(args.eval), Path(args.psm)
+    run_dir = Path(args.run) if args.run else None
     meta_file = psm_dir / ("eagle3.json" if (psm_dir / "eagle3.json").is_file() else "psm.json")
-    for p in (run_dir / "run.json", run_dir / "metrics.jsonl", eval_dir / "results.jsonl", meta_file):
+    card = psm_dir / "CARD.md"
+    needed = [eval_dir / "results.jsonl", meta_file]
+    needed += [run_dir / "run.json", run_dir / "metrics.jsonl"] if run_dir else [card]
+    for p in needed:
         if not p.is_file():
-            print(f"error: {p} not found", file=sys.stderr)
+            print(f"error: {p} not found" + ("" if run_dir else " (without --run the card must exist: its "
+                                              "Evaluation section is rewritten)"), file=sys.stderr)
             return 2
-    run = json.loads((run_dir / "run.json").read_text())
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     psm = json.loads(meta_file.read_text())
     rows = [json.loads(x) for x in (eval_dir / "results.jsonl").read_text().splitlines() if x.strip()]
-    if (run_dir / "curves.png").is_file():
+    if run_dir and (run_dir / "curves.png").is_file():
         shutil.copyfile(run_dir / "curves.png", psm_dir / "curves.png")
     try:
         eagle = meta_file.name == "eagle3.json"
@@ -281,11 +326,19 @@ def main(argv=None) -> int:
         if not mine:
             print(f"warning: {eval_dir / 'results.jsonl'} holds no row of {psm_dir}: the card says so",
                   file=sys.stderr)
-        text = write(run, metrics, psm, pooled(mine), eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm)
+        if run_dir:
+            run = json.loads((run_dir / "run.json").read_text())
+            metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            new = write(run, metrics, psm, pooled(mine), eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm)
+        elif eagle:
+            new = "\n".join(eagle3_evaluation(pooled(mine), eval_cmd, setup, 3, args.psm))
+        else:
+            new = "\n".join(psm_evaluation(pooled(mine), eval_cmd, setup, len(psm["plan"]), args.psm))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (psm_dir / "CARD.md").write_text(text)
+    text = merge_card(card.read_text(), new, evaluation_only=run_dir is None) if card.is_file() else new
+    card.write_text(text)
     print(text)
     return 0
 
