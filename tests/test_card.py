@@ -119,6 +119,20 @@ def test_hand_written_sections_survive_and_evaluation_alone_is_rewritten(tmp_pat
     assert card.main(["--eval", str(ev), "--psm", str(tmp_path / "nothing")]) == 2  # no card to update
 
 
+def test_merge_card_edge_cases():
+    # no Evaluation section yet: it goes after Training, before the hand-written one
+    old = "# T\n\nintro\n\n## Training\n\nx\n\n## Status\n\nhand\n"
+    assert card.merge_card(old, "## Evaluation\n\nNEW", True) == (
+        "# T\n\nintro\n\n## Training\n\nx\n\n## Evaluation\n\nNEW\n\n## Status\n\nhand\n")
+    # two Evaluation sections: one replaced, the other dropped; a "## " line inside a fence is no header
+    old = ("# T\n\n## Training\n\nx\n\n## Evaluation\n\nA\n\n## Evaluation\n\nB\n\n"
+           "## Status\n\n```\n## not a header\n```\n")
+    merged = card.merge_card(old, "## Evaluation\n\nNEW\n", True)
+    assert merged == "# T\n\n## Training\n\nx\n\n## Evaluation\n\nNEW\n\n## Status\n\n```\n## not a header\n```\n"
+    full = card.merge_card(old, "# T\n\n## Training\n\ny\n\n## Evaluation\n\nNEW\n", False)
+    assert full == "# T\n\n## Training\n\ny\n\n## Evaluation\n\nNEW\n\n## Status\n\n```\n## not a header\n```\n"
+
+
 @pytest.mark.parametrize("label", ["random", "given", None])
 def test_untrained_or_unnamed_drafters_are_not_this_one(tmp_path, label):
     assert not card._is_dir(label, tmp_path)

@@ -260,10 +260,13 @@ def eagle3_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, k: i
 
 
 def _sections(text: str) -> list[tuple[str, str]]:
-    """Markdown -> [(header, text)] split at "## " headers; the part before the first has header ""."""
-    out, head, buf = [], "", []
+    """Markdown -> [(header, text)] split at "## " headers outside code fences; the part before the first
+    has header ""."""
+    out, head, buf, fenced = [], "", [], False
     for line in text.splitlines(keepends=True):
-        if line.startswith("## "):
+        if line.startswith("```"):
+            fenced = not fenced
+        if line.startswith("## ") and not fenced:
             out.append((head, "".join(buf)))
             head, buf = line.strip(), []
         buf.append(line)
@@ -273,17 +276,21 @@ def _sections(text: str) -> list[tuple[str, str]]:
 
 def merge_card(old: str, new: str, evaluation_only: bool) -> str:
     """The card to write over `old`. Full (`new` a whole card): new, then old's sections new does not
-    write (hand-written ones, e.g. "## Status and limits"). Evaluation only (`new` the Evaluation
-    section): old with its Evaluation section replaced (or added before any later hand-written one)."""
+    write (hand-written ones, e.g. "## Status and limits"), each once. Evaluation only (`new` the
+    Evaluation section): old with its (first) Evaluation section replaced, or, without one, the section
+    placed after "## Training" (else at the end)."""
     olds = _sections(old)
     if not evaluation_only:
         written = {h for h, _ in _sections(new)}
-        kept = "".join(t for h, t in olds if h and h not in written)
-        return new.rstrip("\n") + "\n\n" + kept if kept else new
-    heads = [h for h, _ in olds]
-    if "## Evaluation" in heads:
-        return "".join(new.rstrip("\n") + "\n\n" if h == "## Evaluation" else t for h, t in olds)
-    return old.rstrip("\n") + "\n\n" + new
+        parts = [new] + [t for h, t in olds if h and h not in written]
+    else:
+        heads = [h for h, _ in olds]
+        at = heads.index("## Evaluation") if "## Evaluation" in heads else None
+        if at is None:
+            at = heads.index("## Training") + 1 if "## Training" in heads else len(olds)
+            olds.insert(at, ("## Evaluation", ""))
+        parts = [new if i == at else t for i, (h, t) in enumerate(olds) if h != "## Evaluation" or i == at]
+    return "".join(p.rstrip("\n") + "\n\n" for p in parts if p.strip()).rstrip("\n") + "\n"
 
 
 def main(argv=None) -> int:
