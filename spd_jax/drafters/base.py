@@ -92,6 +92,7 @@ class SpdOps(NamedTuple):
 class SpdDrafter(Protocol):
     k: int  # drafts per cycle: 1, or 0 for none (the engine then runs the plain pipeline)
     anchors: tuple[int, ...]  # hidden-state indices it reads from the tokens in flight (() for none)
+    plan: tuple[int, ...] | None  # the stage plan it was made for (its depth staircase), or None: any
 
     def init(self, params: Any, cache_len: int, dtype) -> Any:
         """-> a fresh per-sequence state for positions [0, cache_len) (one copy per device)."""
@@ -137,6 +138,10 @@ class NoDrafter:
     def anchors(self) -> tuple[int, ...]:
         return ()
 
+    @property
+    def plan(self) -> None:
+        return None
+
     def spd_prefill(self, params, state, anchor_states, ops):
         return state
 
@@ -175,6 +180,10 @@ class OracleDrafter:
     @property
     def anchors(self) -> tuple[int, ...]:
         return ()
+
+    @property
+    def plan(self) -> None:
+        return None
 
     def spd_prefill(self, params, state, anchor_states, ops):
         return state

@@ -302,6 +302,10 @@ class PSMDrafter:
         return self.spec.anchors
 
     @property
+    def plan(self) -> tuple[int, ...]:
+        return self.spec.plan
+
+    @property
     def module(self) -> PSM:
         return PSM(self.cfg, self.spec)
 
