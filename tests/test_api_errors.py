@@ -39,7 +39,7 @@ def test_drafter_of_another_method_is_refused(model):
 
 
 def test_stage_counts_must_match_n(model):
-    with pytest.raises(ValueError, match=r"2 stage layer counts \[1, 3\] for n=4 stages: .*--n 2"):
+    with pytest.raises(ValueError, match=r"2 stage layer counts \[1, 3\] for n=4 stages: .*set n to 2 \(--n 2"):
         spd_jax.generate(model, [1, 2], 4, method="pipeline", n=4, stage_layers=[1, 3])
 
 

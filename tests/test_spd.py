@@ -136,12 +136,13 @@ def _pair_counts(model, runs, **kw):
 SAMPLING_PROMPT = [5, 9, 11]
 
 
-@pytest.mark.parametrize("n,draft_vocab", [(2, False), (4, True)])
-def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_path, n, draft_vocab):
+@pytest.mark.parametrize("n,draft_vocab,drafter", [(2, False, "psm"), (4, True, "psm"), (2, False, "oracle")])
+def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_path, n, draft_vocab, drafter):
     """Seeded runs of SPD (random PSM: its draft for the 2nd token is verified by speculative sampling,
     over n vocabulary shards) give the target's exact joint distribution of the first two tokens
     (chi-square), and the same test rejects a deliberately wrong rule (accept every draft). With a
-    draft vocabulary, q reaches the target's shards from the PSM head's own shards."""
+    draft vocabulary, q reaches the target's shards from the PSM head's own shards. The oracle proposes
+    a likely second token with certainty (its q a point mass, kept like the PSM's from draft to verify)."""
     from spd_jax.decode import spd as engine
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=n)[0])
@@ -168,7 +169,11 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
         spec = PSMConfig.for_target(model.config, pipelined.plan_for(model, n).counts, 1, draft_vocab=len(ids))
         save_psm(tmp_path / "psm", init_psm(model.config, spec, model.params, seed=3, vocab_ids=np.array(ids)), spec)
         kw = dict(kw, spec=str(tmp_path / "psm"))
-    runs = 400 if draft_vocab else 600
+    if drafter == "oracle":
+        first = max(p0, key=p0.get)
+        second = warped(SAMPLING_PROMPT + [first])
+        kw = dict(kw, drafter="oracle", oracle_tokens=[first, max(second, key=second.get)])
+    runs = 400
     outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
     print(f"correct rule: p={p_ok:.3g}")
     assert outside == 0 and p_ok > 1e-3
@@ -177,7 +182,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
     monkeypatch.setattr(pipelined, "_compiled", CompileCache())
-    outside, p_bad = pvalue(_pair_counts(model, 300, **kw))  # the wrong rule fails by far
+    outside, p_bad = pvalue(_pair_counts(model, 200, **kw))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
 

@@ -44,11 +44,12 @@ def check_drafter(drafter) -> None:
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
     """Uniform when n divides L and layers cost the same; else balanced on per-token decode bytes."""
-    if stage_layers is not None and len(stage_layers) != n:
-        raise ValueError(f"{len(stage_layers)} stage layer counts {list(stage_layers)} for n={n} stages: give n "
-                         f"counts, or n={len(stage_layers)} (--n {len(stage_layers)})")
     costs = [c.bytes for c in layer_costs(model.config, context_len=1024)]
-    return plan_stages(model.config.num_layers, n, stage_layers, costs)
+    plan = plan_stages(model.config.num_layers, n, stage_layers, costs)  # first: counts that do not sum to L
+    if plan.n != n:
+        raise ValueError(f"{plan.n} stage layer counts {list(plan.counts)} for n={n} stages: give {n} counts, or "
+                         f"set n to {plan.n} (--n {plan.n}, n={plan.n} in a training config)")
+    return plan
 
 
 def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
