@@ -10,6 +10,10 @@ code I provided.", T=1 meaning temperature 1 with top-k 50 and top-p 0.95, and a
 prompts as sum(tokens) / sum(cycles). Any JSONL with a `prompt`, `text`, `question` or `turns` field
 (or `prompt_ids`, token ids used as they are) is a benchmark.
 
+A method may carry its own depths, `spd@8` (repeat for more: `spd@4,spd@8`), e.g. `spd` only where a
+PSM is trained while `pipeline` and `tp` run at every --n: every row then still comes from one run, the
+methods interleaved prompt by prompt.
+
 `eagle3` is chain speculative decoding on one device with the EAGLE-3-style drafter, one row per chain
 length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens / rounds (the reference's
 theoretical speedup of a chain drafter).
@@ -275,9 +279,10 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
 
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
              spec=None, seed: int = 0, progress: bool = True, write: bool = True, ks=(3,),
-             drafter=None) -> list[dict]:
+             drafter=None, method_ns: dict[str, list[int]] | None = None) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
-    finishes (write=False: compute the same rows, write nothing: the other processes of a job); eagle3
+    finishes (write=False: compute the same rows, write nothing: the other processes of a job); a method
+    in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
     else random; "random"; a checkpoint directory). -> all rows of this setup."""
     import contextlib
@@ -289,9 +294,10 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
     done = {row_key(r) for r in rows}
     chains = [(1, int(k)) for k in ks]  # eagle3: (n = 1 device, k)
+    own = method_ns or {}  # a method's own depths (`spd@8`); the others run at every n of ns
     jobs = [(b, i, p, m, n, k, float(t)) for b, ps in benches.items() for i, p in enumerate(ps)
             for t in temperatures for m in methods
-            for n, k in (chains if m == "eagle3" else [(n, None) for n in (ns if m != "ar" else [1])])]
+            for n, k in (chains if m == "eagle3" else [(n, None) for n in ([1] if m == "ar" else own.get(m, ns))])]
     same = dict(model=model.path.name, spec="default" if spec is None else str(spec), max_new_tokens=max_new_tokens,
                 seed=seed)
     dlabel = "default" if drafter is None else str(drafter)
@@ -351,6 +357,22 @@ def spd_jax_methods() -> tuple[str, ...]:
     return METHODS
 
 
+def parse_methods(items: list[str]) -> tuple[list[str], dict[str, list[int]]]:
+    """--methods items, each `name` or `name@n` -> (method names in order, {name: its own depths})."""
+    names, own = [], {}
+    for item in items:
+        name, _, depth = item.partition("@")
+        if name not in names:
+            names.append(name)
+        if depth:
+            if not depth.isdigit() or int(depth) < 1:
+                raise ValueError(f"--methods {item!r}: the depth after @ must be a positive integer (e.g. spd@8)")
+            if name in ("ar", "eagle3"):
+                raise ValueError(f"--methods {item!r}: {name} runs on one device; depths are for pipeline, tp, spd")
+            own.setdefault(name, []).append(int(depth))
+    return names, own
+
+
 def _csv(kind):
     return lambda v: [kind(x) for x in v.split(",") if x]
 
@@ -360,7 +382,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--bench", type=_csv(str), default=list(BENCHMARKS),
                     help="comma-separated: mt_bench, gsm8k, humaneval, or JSONL paths")
-    ap.add_argument("--methods", type=_csv(str), default=["ar", "pipeline", "spd"])
+    ap.add_argument("--methods", type=_csv(str), default=["ar", "pipeline", "spd"],
+                    help="comma-separated: ar, tp, pipeline, spd, eagle3; name@n runs that method at depth n only "
+                         "(repeat for more), the others at every --n")
     ap.add_argument("--n", type=_csv(int), default=[8], help="pipeline depths, e.g. 2,4,8")
     ap.add_argument("--k", type=_csv(int), default=[3, 7], help="eagle3 chain lengths (drafts per round), e.g. 3,7")
     ap.add_argument("--drafter", default=None, help="EAGLE-3 drafter checkpoint for eagle3, or 'random' (default: "
@@ -381,6 +405,10 @@ def main(argv=None) -> int:
     for t in args.temperature:
         if t not in SAMPLING:
             ap.error(f"--temperature takes 0 and/or 1 (the reference's settings), got {t}")
+    try:
+        args.methods, method_ns = parse_methods(args.methods)
+    except ValueError as e:
+        ap.error(str(e))
     unknown = sorted(set(args.methods) - set(spd_jax_methods()))
     if unknown:
         ap.error(f"unknown methods {unknown}: available {', '.join(spd_jax_methods())}")
@@ -389,7 +417,7 @@ def main(argv=None) -> int:
     try:
         # every process of a multi-process job runs every row (each method is SPMD over the job's devices;
         # `ar` runs in each process on its own device); process 0 alone writes and prints
-        cluster = distributed.setup(args, max(args.n))
+        cluster = distributed.setup(args, max([*args.n, *(n for ns in method_ns.values() for n in ns)]))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -408,7 +436,8 @@ def main(argv=None) -> int:
             record_command(out, argv)
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
-                        args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter)
+                        args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter,
+                        method_ns=method_ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

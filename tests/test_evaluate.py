@@ -68,6 +68,23 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     assert calls[0]["k"] == 3 and calls[0]["drafter_spec"] == str(tmp_path / "other")
 
 
+def test_a_method_may_carry_its_own_depths(tiny, tmp_path, monkeypatch):
+    """`spd@8` runs spd at n = 8 only while the other methods run at every --n, in one interleaved run."""
+    assert evaluate.parse_methods(["ar", "pipeline", "spd@8", "spd@4", "eagle3"]) == (
+        ["ar", "pipeline", "spd", "eagle3"], {"spd": [8, 4]})
+    for bad, msg in (("spd@x", "positive integer"), ("spd@0", "positive integer"), ("ar@2", "runs on one device")):
+        with pytest.raises(ValueError, match=msg):
+            evaluate.parse_methods([bad])
+    done = []  # the jobs in order, from a fake generate that records them
+    fake = dict(tokens=1, cycles=1, prompt_tokens=2, wall_s=1.0, tokens_per_s=1.0, compile_s=0.0, compile_from="x",
+                timing_includes="x", backend="cpu", drafter_spec=None)
+    monkeypatch.setattr(spd_jax, "generate", lambda model, ids, max_new, method, n, **kw: (
+        done.append((method, n)) or type("R", (), dict(stats=fake, token_ids=[3]))()))
+    evaluate.evaluate(tiny, {"b": [{"ids": [1, 2]}]}, ["ar", "pipeline", "spd"], [2, 4], [0.0], 4, tmp_path / "x",
+                      progress=False, write=False, method_ns={"spd": [4]})
+    assert done == [("ar", 1), ("pipeline", 2), ("pipeline", 4), ("spd", 4)]
+
+
 def test_known_benchmarks_follow_the_reference_conventions():
     mt = evaluate.read_benchmark("mt_bench")
     assert len(mt) == 80 and mt[0]["text"].startswith("Compose an engaging travel blog post")  # first turn
