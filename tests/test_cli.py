@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import spd_jax
+from spd_jax.drafters.eagle3 import shipped_eagle3
 from spd_jax.drafters.psm import shipped_psm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,20 @@ def test_default_model_spd_on_8_devices_equals_ar(smollm2):
     shipped = shipped_psm("smollm2-135m-instruct", 8)  # the trained PSM by default, once one ships
     assert s["psm"] == (str(shipped) if shipped else "random")
     assert s["tokens"] == len(ar["token_ids"]) and s["cycles"] >= s["tokens"] and 0 < s["alpha"] <= 1
+
+
+@pytest.mark.real_model
+def test_default_model_eagle3_equals_ar(smollm2):
+    """python -m infer.generate --mode eagle3: the EAGLE-3-style drafter shipped for the default model
+    (a random one until it ships) drafts, and the committed tokens are ar's."""
+    out = run_cli("--mode", "eagle3", "--k", "3", "--prompt", "Name three primary colors.", "--max-new-tokens", "24",
+                  "--json")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["token_ids"] == spd_jax.generate(smollm2, res["prompt_ids"], 24).token_ids
+    shipped = shipped_eagle3("smollm2-135m-instruct")
+    s = res["stats"]
+    assert s["drafter_spec"] == (str(shipped) if shipped else "random")
+    assert s["k"] == 3 and s["tokens"] == len(res["token_ids"]) and 1 <= s["tokens"] / s["rounds"] <= 4
 
 
 @pytest.mark.real_model
