@@ -113,23 +113,15 @@ def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) ->
     return jnp.concatenate([emb if b == 0 else hidden[b - 1] for b in layers], axis=-1)
 
 
-@dataclasses.dataclass(frozen=True)
-class NoDrafter:
-    """No drafts (k = 0): each chain round is one target pass that commits its own token, i.e. `ar`;
-    the SPD engine with it is the plain pipeline (one token in flight)."""
-
-    vocab_size: int
-    k: int = 0
-    feature_layers: tuple[int, ...] = ()
+class _Stateless:
+    """Both interfaces' bookkeeping for a drafter without a network: no state, no features or anchors
+    read, any stage plan."""
 
     def init(self, params, cache_len, dtype):
         return ()
 
     def prefill(self, params, state, feats, next_tokens, length):
         return state
-
-    def propose(self, params, state, pos, choose):
-        return jnp.zeros((0,), jnp.int32), jnp.zeros((0, self.vocab_size), jnp.float32), state
 
     def commit(self, params, state, feats, next_tokens, pos, count):
         return state
@@ -145,12 +137,25 @@ class NoDrafter:
     def spd_prefill(self, params, state, anchor_states, ops):
         return state
 
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter(_Stateless):
+    """No drafts (k = 0): each chain round is one target pass that commits its own token, i.e. `ar`;
+    the SPD engine with it is the plain pipeline (one token in flight)."""
+
+    vocab_size: int
+    k: int = 0
+    feature_layers: tuple[int, ...] = ()
+
+    def propose(self, params, state, pos, choose):
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0, self.vocab_size), jnp.float32), state
+
     def spd_draft(self, params, state, cycle, ops):
         raise AssertionError("the SPD engine asks a drafter with k = 0 for no draft")
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDrafter(_Stateless):
     """Proposes given reference tokens (tests only): params = `reference(prompt_len, tokens)`, the
     reference token at each absolute position (token 0 past its end). Its q is a point mass on the
     draft. In the SPD engine k = 1 (one draft per cycle)."""
@@ -164,29 +169,9 @@ class OracleDrafter:
         """[prompt_len + len(tokens)] int32: the continuation `tokens` at positions prompt_len, ..."""
         return jnp.zeros((prompt_len + len(tokens),), jnp.int32).at[prompt_len:].set(jnp.asarray(tokens, jnp.int32))
 
-    def init(self, params, cache_len, dtype):
-        return ()
-
-    def prefill(self, params, state, feats, next_tokens, length):
-        return state
-
     def propose(self, params, state, pos, choose):
         drafts = jnp.take(params, pos + 1 + jnp.arange(self.k), mode="fill", fill_value=0)
         return drafts, jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32), state
-
-    def commit(self, params, state, feats, next_tokens, pos, count):
-        return state
-
-    @property
-    def anchors(self) -> tuple[int, ...]:
-        return ()
-
-    @property
-    def plan(self) -> None:
-        return None
-
-    def spd_prefill(self, params, state, anchor_states, ops):
-        return state
 
     def spd_draft(self, params, state, cycle, ops):
         draft = jnp.take(params, cycle.t + 1, mode="fill", fill_value=0)
