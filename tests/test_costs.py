@@ -108,7 +108,7 @@ def test_device_busy_and_predict_sanity():
     slow_links = dataclasses.replace(_PLAIN, link_latency_s=1e-3, launch_s=1e-5)
     r2 = cyc.predict(cfg, n, psm, slow_links, context=256, S0=1.5)
     assert r2["speedup_tp"] < r["speedup_tp"] and r2["spd_cycle_s"] > r["spd_cycle_s"]
-    # a ppermute, the anchor table, two hidden-state broadcasts, four scalars (argmax max/min x 2 heads)
+    # a ppermute, the anchor states, two hidden-state broadcasts, four scalars (argmax max/min x 2 heads)
     assert r2["spd_comm_s"] == pytest.approx(8e-3)
     assert cyc.predict(cfg, n, psm, slow_links, 256, 1.5, heads="last")["spd_comm_s"] == pytest.approx(5e-3)
     assert "communication included" in r2["includes"]

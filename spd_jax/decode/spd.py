@@ -45,7 +45,7 @@ from spd_jax.decode import vocab
 from spd_jax.decode.sampling import token_key
 from spd_jax.models import decoder
 from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec, vary
-from spd_jax.pipeline.stages import StageLayout, stage_forward
+from spd_jax.pipeline.stages import StageLayout, program, stage_forward
 from spd_jax.drafters.base import SpdCycle, SpdDrafter, SpdOps
 
 # Test hook only: accept every draft (a deliberately wrong rule the sampling test must detect).
@@ -151,6 +151,13 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
     drafter = ec.drafter
     drafts, gathers = drafter.k > 0, bool(drafter.anchors)  # static: what the cycle computes
     produces = jnp.stack([jnp.any(pr["anchor_id"] == a) for a in range(m)])  # anchors this stage makes
+    # the stage that makes each anchor (-1: none, e.g. h_0), static: where a cycle's anchor states land
+    # in the table follows from it and the replicated bookkeeping, so only the states themselves travel
+    made_by = [-1] * m
+    for stage, ids in enumerate(program(cfg, lay)["anchor_id"]):
+        for a in ids[ids >= 0]:
+            made_by[int(a)] = stage
+    made_by = jnp.asarray(made_by, jnp.int32)  # [m]
 
     def bcast(v, src=last):
         """A value computed on stage `src` -> the same value on every stage."""
@@ -299,11 +306,11 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         # 3. anchor states of the in-flight tokens, gathered everywhere
         table = st.table
         if gathers:
-            slot = pos_s % W
-            mine = produces & valid_s
-            contrib = jax.lax.psum(jnp.zeros((W, m, H), anc.dtype).at[slot].set(anc[:, 0, 0] * mine[:, None]), STAGE)
-            has = jax.lax.psum(jnp.zeros((W, m), jnp.int32).at[slot].set(mine.astype(jnp.int32)), STAGE) > 0
-            table = jnp.where(has[..., None], contrib, table)
+            # one all-reduce of [m, H]: each anchor has one maker, every other stage adds zeros
+            fresh = jax.lax.psum(anc[:, 0, 0] * (produces & valid_s)[:, None].astype(anc.dtype), STAGE)
+            came = (made_by >= 0) & valid[jnp.maximum(made_by, 0)]  # [m], replicated
+            slot, a_ids = (t - made_by) % W, jnp.arange(m)  # the maker's token position t - s, in the ring
+            table = table.at[slot, a_ids].set(jnp.where(came[:, None], fresh, table[slot, a_ids]))
 
         # 4. verify on the last stage; the decision is made identical everywhere
         verified = valid[last]

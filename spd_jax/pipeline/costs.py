@@ -11,10 +11,9 @@ engine runs (`spd_jax.decode.vocab`: every device computes 1/n of each head's ro
 token's and the draft's hidden states are broadcast, [H] each, and the greedy choices are a max and a
 min per head), and "last", both heads whole on the last stage (the engine before vocabulary-parallel
 heads). Collectives per cycle, as `pipeline/profile.py` times them: one ppermute of [H], one
-all-reduce of the anchor table [W = n + 2, m, H], and the choices' reductions (below). Not counted:
-the engine's second anchor all-reduce, the table's arrival mask [W, m] int32 (`decode.spd`, step 3;
-small beside the table, but one more link latency per cycle), and the few scalar reductions sampling
-adds.
+all-reduce of the cycle's anchor states [m, H] (each anchor from the one stage that makes it; where it
+lands in the drafter's table follows from replicated bookkeeping, so nothing else travels), and the
+choices' reductions (below). Not counted: the few scalar reductions sampling adds.
 
 A part costs its roofline, max(FLOPs / peak, bytes / bandwidth) summed over its layers, plus a fixed
 launch overhead; a collective costs the link latency plus its bytes over the link bandwidth (a ring
@@ -98,7 +97,7 @@ class CycleCosts:
     psm_head: LayerCost  # the PSM's whole head (V or V' rows), the newest row only
     psm_head_shard: LayerCost  # the same over one device's ceil(V' / n) rows
     hidden_bytes: int  # [H]: the hidden state that moves one stage per cycle, or is broadcast
-    anchor_table_bytes: int  # the all-reduced anchor table [W = n + 2, m, H]
+    anchor_bytes: int  # the cycle's anchor states [m, H], all-reduced
     psm_device: int  # the device running the PSM body: a stage 0..n-1, or n (a device of its own)
 
     @property
@@ -131,7 +130,7 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, context: 
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
                       head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head,
                       dataclasses.replace(psm_shard, kind="psm_head", params=psm_shard.params - H),
-                      H * param_bytes, (n + 2) * m * H * param_bytes, psm_device)
+                      H * param_bytes, m * H * param_bytes, psm_device)
 
 
 def check_psm_device(n: int, psm_device: int | None) -> int:
@@ -145,12 +144,12 @@ def check_psm_device(n: int, psm_device: int | None) -> int:
 
 def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float]]:
     """The collectives of one cycle as (kind, bytes), kind "ppermute" or "all_reduce": the hidden
-    state's hop, the anchor table, with sharded heads two broadcasts of [H] (the verified token's and
+    state's hop, the anchor states, with sharded heads two broadcasts of [H] (the verified token's and
     the draft's hidden state), and the choices' scalars."""
     _check_heads(heads)
     if cc.devices == 1:
         return []
-    out = [("ppermute", cc.hidden_bytes), ("all_reduce", cc.anchor_table_bytes)]
+    out = [("ppermute", cc.hidden_bytes), ("all_reduce", cc.anchor_bytes)]
     if heads == "sharded":
         out += [("all_reduce", cc.hidden_bytes)] * 2
     return out + [("all_reduce", SCALAR_BYTES)] * CHOICE_ALL_REDUCES[heads]

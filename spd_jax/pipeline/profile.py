@@ -80,7 +80,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
     mesh = stage_mesh(n)
-    W, m, H, reps = n + 2, psm_cfg.m, cfg.hidden_size, 20
+    m, H, reps = psm_cfg.m, cfg.hidden_size, 20
     fwd = [(i, i + 1) for i in range(n - 1)]
 
     def collectives(x, table):
@@ -98,7 +98,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE))))
     st = NamedSharding(mesh, P(STAGE))
     xs = jax.device_put(jnp.zeros((n, 1, H), model.dtype), st)
-    tables = jax.device_put(jnp.zeros((n * W, m, H), model.dtype), st)
+    tables = jax.device_put(jnp.zeros((n * m, H), model.dtype), st)  # each stage's [m, H] anchor states
     comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
