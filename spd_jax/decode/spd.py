@@ -150,7 +150,6 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
     fwd = [(i, i + 1) for i in range(n - 1)]
     drafter = ec.drafter
     drafts, gathers = drafter.k > 0, bool(drafter.anchors)  # static: what the cycle computes
-    produces = jnp.stack([jnp.any(pr["anchor_id"] == a) for a in range(m)])  # anchors this stage makes
     # the stage that makes each anchor (-1: none, e.g. h_0), static: where a cycle's anchor states land
     # in the table follows from it and the replicated bookkeeping, so only the states themselves travel
     made_by = [-1] * m
@@ -158,6 +157,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         for a in ids[ids >= 0]:
             made_by[int(a)] = stage
     made_by = jnp.asarray(made_by, jnp.int32)  # [m]
+    produces = made_by == s  # [m] the anchors this stage makes
 
     def bcast(v, src=last):
         """A value computed on stage `src` -> the same value on every stage."""
