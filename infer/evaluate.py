@@ -11,8 +11,9 @@ prompts as sum(tokens) / sum(cycles). Any JSONL with a `prompt`, `text`, `questi
 (or `prompt_ids`, token ids used as they are) is a benchmark.
 
 A method may carry its own depths, `spd@8` (repeat for more: `spd@4,spd@8`), e.g. `spd` only where a
-PSM is trained while `pipeline` and `tp` run at every --n: every row then still comes from one run, the
-methods interleaved prompt by prompt.
+PSM is trained while `pipeline` and `tp` run at every --n: every row then still comes from one run.
+Methods take turns in blocks of --block prompts (default 8): close enough in time that a machine's
+drift hits them alike, and each method's weights are placed once per block instead of once per row.
 
 `eagle3` is chain speculative decoding on one device with the EAGLE-3-style drafter, one row per chain
 length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens / rounds (the reference's
@@ -277,14 +278,28 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+def job_order(benches: dict[str, list[dict]], temperatures, configs: list[tuple], block: int) -> list[tuple]:
+    """Every (bench, prompt index, prompt, method, n, k, T), for configs [(method, n, k)], in run order:
+    per benchmark, blocks of `block` prompts; within a block each T and config runs its prompts in turn.
+    Methods stay side by side (a block spans minutes, so a machine's drift hits them alike) while each
+    config's weights are placed and its executables loaded once per block, not once per prompt: the
+    runtime keeps one placement per kind at a time, so a strictly prompt-by-prompt order (block = 1)
+    re-places the weights on nearly every row, and a long run's host memory grows with it."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1 prompt, got {block}")
+    return [(b, i, ps[i], m, n, k, float(t)) for b, ps in benches.items() for lo in range(0, len(ps), block)
+            for t in temperatures for m, n, k in configs for i in range(lo, min(lo + block, len(ps)))]
+
+
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
              spec=None, seed: int = 0, progress: bool = True, write: bool = True, ks=(3,),
-             drafter=None, method_ns: dict[str, list[int]] | None = None) -> list[dict]:
+             drafter=None, method_ns: dict[str, list[int]] | None = None, block: int = 8) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
     finishes (write=False: compute the same rows, write nothing: the other processes of a job); a method
     in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
-    else random; "random"; a checkpoint directory). -> all rows of this setup."""
+    else random; "random"; a checkpoint directory); rows run in blocks of `block` prompts (`job_order`).
+    -> all rows of this setup."""
     import contextlib
 
     import spd_jax
@@ -295,9 +310,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     done = {row_key(r) for r in rows}
     chains = [(1, int(k)) for k in ks]  # eagle3: (n = 1 device, k)
     own = method_ns or {}  # a method's own depths (`spd@8`); the others run at every n of ns
-    jobs = [(b, i, p, m, n, k, float(t)) for b, ps in benches.items() for i, p in enumerate(ps)
-            for t in temperatures for m in methods
-            for n, k in (chains if m == "eagle3" else [(n, None) for n in ([1] if m == "ar" else own.get(m, ns))])]
+    configs = [(m, n, k) for m in methods
+               for n, k in (chains if m == "eagle3" else [(n, None) for n in ([1] if m == "ar" else own.get(m, ns))])]
+    jobs = job_order(benches, temperatures, configs, block)
     same = dict(model=model.path.name, spec="default" if spec is None else str(spec), max_new_tokens=max_new_tokens,
                 seed=seed)
     dlabel = "default" if drafter is None else str(drafter)
@@ -395,6 +410,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=None, help="PSM checkpoint (default: the one shipped for the model and n)")
     ap.add_argument("--random-psm", action="store_true", help="an untrained PSM (for testing the harness)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block", type=int, default=8,
+                    help="prompts per block: each method runs a block's prompts in turn, then the next method "
+                         "(1: strictly prompt by prompt; larger blocks place each method's weights less often)")
     ap.add_argument("--out", default="runs/eval")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     from spd_jax import distributed
@@ -405,6 +423,8 @@ def main(argv=None) -> int:
     for t in args.temperature:
         if t not in SAMPLING:
             ap.error(f"--temperature takes 0 and/or 1 (the reference's settings), got {t}")
+    if args.block < 1:
+        ap.error(f"--block takes at least 1 prompt, got {args.block}")
     try:
         args.methods, method_ns = parse_methods(args.methods)
     except ValueError as e:
@@ -437,7 +457,7 @@ def main(argv=None) -> int:
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
                         args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter,
-                        method_ns=method_ns)
+                        method_ns=method_ns, block=args.block)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

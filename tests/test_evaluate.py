@@ -85,6 +85,22 @@ def test_a_method_may_carry_its_own_depths(tiny, tmp_path, monkeypatch):
     assert done == [("ar", 1), ("pipeline", 2), ("pipeline", 4), ("spd", 4)]
 
 
+def test_rows_run_in_blocks_of_prompts_each_method_in_turn():
+    benches = {"a": [{"i": i} for i in range(5)], "b": [{"i": 0}]}
+    configs = [("ar", 1, None), ("eagle3", 1, 3)]
+    jobs = evaluate.job_order(benches, [0, 1], configs, block=2)
+    assert len(jobs) == len(set((b, i, m, k, t) for b, i, _, m, _, k, t in jobs)) == 6 * 2 * 2  # each row once
+    head = [(b, i, m, t) for b, i, _, m, _, _, t in jobs[:8]]  # a's prompts 0-1: T = 0 then 1, each config in turn
+    assert head == [("a", 0, "ar", 0.0), ("a", 1, "ar", 0.0), ("a", 0, "eagle3", 0.0), ("a", 1, "eagle3", 0.0),
+                    ("a", 0, "ar", 1.0), ("a", 1, "ar", 1.0), ("a", 0, "eagle3", 1.0), ("a", 1, "eagle3", 1.0)]
+    assert [(b, i) for b, i, *_ in jobs[-4:]] == [("b", 0)] * 4  # a last, partial block, then the next benchmark
+    assert all(p is benches[b][i] for b, i, p, *_ in jobs)
+    one = evaluate.job_order(benches, [0], configs, block=1)  # block 1: every method on a prompt, then the next
+    assert [(i, m) for _, i, _, m, *_ in one[:4]] == [(0, "ar"), (0, "eagle3"), (1, "ar"), (1, "eagle3")]
+    with pytest.raises(ValueError, match="block must be at least 1"):
+        evaluate.job_order(benches, [0], configs, block=0)
+
+
 def test_known_benchmarks_follow_the_reference_conventions():
     mt = evaluate.read_benchmark("mt_bench")
     assert len(mt) == 80 and mt[0]["text"].startswith("Compose an engaging travel blog post")  # first turn
