@@ -284,7 +284,7 @@ def job_order(benches: dict[str, list[dict]], temperatures, configs: list[tuple]
     Methods stay side by side (a block spans minutes, so a machine's drift hits them alike) while each
     config's weights are placed and its executables loaded once per block, not once per prompt: the
     runtime keeps one placement per kind at a time, so a strictly prompt-by-prompt order (block = 1)
-    re-places the weights on nearly every row, and a long run's host memory grows with it."""
+    re-places the weights on nearly every row."""
     if block < 1:
         raise ValueError(f"block must be at least 1 prompt, got {block}")
     return [(b, i, ps[i], m, n, k, float(t)) for b, ps in benches.items() for lo in range(0, len(ps), block)
