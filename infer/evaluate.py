@@ -206,34 +206,80 @@ def results_markdown(table: list[dict], setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _series_style(labels: list[str]) -> dict[str, str]:
+    """One colour per method label, the same in every panel and plot."""
+    return {label: f"C{i % 10}" for i, label in enumerate(sorted(set(labels)))}
+
+
+_T_STYLE = {0.0: ("o", "-"), 1.0: ("s", "--")}  # marker, line: greedy solid, sampling dashed
+
+
+def _lines(ax, table: list[dict], value, colors: dict[str, str]) -> None:
+    """One line per (method label, T) over n, from the table rows given; value(t) -> y or None."""
+    series = defaultdict(list)
+    for t in table:
+        y = value(t)
+        if y is not None:
+            series[(method_label(t), t["temperature"])].append((t["n"], y))
+    for (label, temp), pts in sorted(series.items()):
+        pts.sort()
+        marker, line = _T_STYLE.get(temp, ("^", ":"))
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, linestyle=line, color=colors[label],
+                label=f"{label}, T={temp:g}")
+    ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")  # ar
+    ax.set_xticks(sorted({t["n"] for t in table} | {1}))
+
+
 def plot(table: list[dict], out: Path) -> None:
+    """s0_vs_n.png: S0 against n, one panel per benchmark and over all (the drafting methods; ar = 1).
+    speed_vs_n.png: speedup over ar against n, every method over all benchmarks: measured here, and
+    the cost model's projections for the H200-like and TPU-like profiles. cycle_breakdown.png: see
+    plot_breakdown. Colour = method, solid = T 0, dashed = T 1; eagle3 runs on one device (n = 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # eagle3 runs on one device: its points sit at n = 1, one series per k
-    for name, field, title in (("s0_vs_n.png", "S0", "S0 (pooled) vs devices n"),
-                               ("speed_vs_n.png", "speed_vs_ar", "measured tokens/s over ar vs devices n")):
-        proj = field == "speed_vs_ar" and any("proj" in t for t in table)
-        fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(12 if proj else 6, 4), squeeze=False)
-        for ax, src in zip(axes[0], ("measured", "H200") if proj else ("measured",)):
-            series = defaultdict(list)
-            for t in table:
-                value = t[field] if src == "measured" else t["proj"][src]["speedup"]
-                if t["method"] != "ar" and value is not None and (field != "S0" or t["method"] in ("spd", "eagle3")):
-                    series[(t["bench"], method_label(t), t["temperature"])].append((t["n"], value))
-            for (bench, method, temp), pts in sorted(series.items()):
-                pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{method} {bench} T={temp:g}")
-            ax.set(title=title if src == "measured" else "projected wall-clock speedup over ar, H200-like (cost "
-                   "model)", xlabel="n (devices)", ylabel=field if src == "measured" else "speedup")
-            if series:
-                ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+    colors = _series_style([method_label(t) for t in table if t["method"] != "ar"])
+    benches = sorted({t["bench"] for t in table} - {"all"}) + ["all"]
+    drafted = [t for t in table if t["method"] in ("spd", "eagle3")]
+    fig, axes = plt.subplots(1, len(benches), figsize=(3.4 * len(benches), 4), squeeze=False, sharey=True,
+                             layout="constrained")
+    for ax, bench in zip(axes[0], benches):
+        _lines(ax, [t for t in drafted if t["bench"] == bench], lambda t: t["S0"], colors)
+        ax.set(title=bench if bench != "all" else "all benchmarks (pooled)", xlabel="n (devices)")
+    axes[0][0].set_ylabel("S0 (pooled); ar = 1")
+    _legend(fig, axes)
+    fig.suptitle("S0 vs devices n")
+    fig.savefig(out / "s0_vs_n.png", dpi=110)
+    plt.close(fig)
+
+    rows = [t for t in table if t["bench"] == "all" and t["method"] != "ar"]
+    panels = [("measured here", lambda t: t["speed_vs_ar"])]
+    if any("proj" in t for t in rows):
+        panels += [(f"projected, {p}-like (cost model)", lambda t, p=p: t["proj"][p]["speedup"] if "proj" in t
+                    else None) for p in PROFILES]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False, layout="constrained")
+    for ax, (title, value) in zip(axes[0], panels):
+        _lines(ax, rows, value, colors)
+        ax.set(title=title, xlabel="n (devices)")
+    axes[0][0].set_ylabel("speedup over ar")
+    _legend(fig, axes)
+    fig.suptitle("speedup over ar vs devices n (all benchmarks)")
+    fig.savefig(out / "speed_vs_n.png", dpi=110)
+    plt.close(fig)
     plot_breakdown(table, out / "cycle_breakdown.png")
+
+
+def _legend(fig, axes) -> None:
+    """One legend under the panels (a constrained-layout figure), with every series any panel drew."""
+    entries = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=min(len(entries), 4),
+                   fontsize=8, frameon=False)
 
 
 def plot_breakdown(table: list[dict], png: Path) -> None:
@@ -250,8 +296,8 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
 
     rows = [t for t in table if t["bench"] == "all" and t["cycles"]]
     proj = any("proj" in t for t in rows)
-    fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(13 if proj else 7, 4.2), squeeze=False)
-    labels = [f"{method_label(t)}\nn={t['n']} T={t['temperature']:g}" for t in rows]
+    fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(13 if proj else 7, 5), squeeze=False)
+    labels = [f"{method_label(t)}, n={t['n']}, T={t['temperature']:g}" for t in rows]
     panels = [("measured here: wall time / cycles (not a projection)", "ms per cycle", 1e3,
                lambda t: ([("prefill (timed apart)", t["prefill_s"]), ("decode loop", t["wall_s"] - t["prefill_s"])]
                           if t["prefill_s"] is not None else [("prefill + loop (one timing)", t["wall_s"])]),
@@ -269,7 +315,7 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
                 ax.bar(i, h, bottom=bottom, color=colors.setdefault(name, f"C{len(colors)}"),
                        label=name if first else None)
                 bottom += h
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60, ha="right")
         ax.set(title=title, ylabel=unit)
         if colors:
             ax.legend(fontsize=7)
