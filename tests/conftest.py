@@ -86,12 +86,51 @@ def save_hf(model, path: Path) -> Path:
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
+# `_release_executables` drops every compiled program after each module, so a later module that runs
+# the same programs (same tiny checkpoint, n and shapes) would compile them again. A persistent
+# compilation cache private to this pytest process turns those recompiles into disk loads; it starts
+# empty, so nothing from an earlier run or another checkout is reused. Tests that count compilations
+# count `CompileCache.compiles` (a disk load counts too), and tests of the cache itself run CLIs in
+# subprocesses with their own directory.
+
+
 def pytest_configure(config):
     import re
+    import tempfile
 
     # before any test initialises the backend, which reads XLA_FLAGS once (subprocesses inherit it)
     if not re.search(r"(?<!not )real_model", config.getoption("markexpr") or ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    from spd_jax.decode.compile_cache import cache_events, enable_persistent_cache
+
+    config._spd_xla_cache = tempfile.TemporaryDirectory(prefix="spd-jax-test-xla-")
+    enable_persistent_cache(config._spd_xla_cache.name)
+    config._spd_cache_events = cache_events
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_spd_xla_cache", None)
+    if cache is not None:
+        cache.cleanup()
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: report to the controller
+        session.config.workeroutput["spd_cache_events"] = session.config._spd_cache_events()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pytest-xdist's controller, as each worker finishes
+    e = getattr(node, "workeroutput", {}).get("spd_cache_events")
+    if e:
+        node.config._spd_worker_events = [*getattr(node.config, "_spd_worker_events", []), e]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    runs = getattr(config, "_spd_worker_events", None) or [config._spd_cache_events()]
+    hits, misses = sum(e["hits"] for e in runs), sum(e["misses"] for e in runs)
+    terminalreporter.write_line(f"persistent compilation cache (this run only): {hits} programs loaded from it, "
+                                f"{misses} compiled" + (f" ({len(runs)} workers)" if len(runs) > 1 else ""))
 
 
 # Tiny-model cases whose paths the default run already covers through another model kind, mesh or n:
