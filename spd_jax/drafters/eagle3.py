@@ -34,8 +34,7 @@ import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features
-from spd_jax.drafters.psm import check_vocab_ids, target_head, target_signature
-from spd_jax.drafters.store import restore_variables
+from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
@@ -403,18 +402,5 @@ def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=j
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, str(path), layers)
-    shared = json.loads((path / "eagle3.json").read_text()).get("head") == "shared"
-    zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
-    if not cfg.tie_word_embeddings:
-        zeros["lm_head"] = zeros["embed"]
-    abstract = jax.eval_shape(lambda: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab)))
-    if shared:
-        del abstract["params"]["lm_head"]
-    variables = restore_variables(path, abstract)
-    if spec.draft_vocab:
-        check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
-    if shared:
-        head = decoder.lm_head(target_params, cfg)
-        variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
-    return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
-                              variables)
+    init = lambda zeros: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
+    return spec, restore_drafter(path, "eagle3.json", init, spec, cfg, target_params, dtype)

@@ -482,9 +482,19 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, stage_counts, str(path), anchors)
-    shared = json.loads((path / "psm.json").read_text()).get("head") == "shared"
-    abstract = jax.eval_shape(lambda: init_psm(cfg, spec, _zeros_target(cfg),
-                                               vocab_ids=np.arange(spec.draft_vocab)))
+    init = lambda zeros: init_psm(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
+    return spec, restore_drafter(path, "psm.json", init, spec, cfg, target_params, dtype)
+
+
+def restore_drafter(path: Path, meta_name: str, init, spec, cfg: ModelConfig, target_params: dict, dtype) -> dict:
+    """A saved drafter's variables (PSM or EAGLE-3), floats cast to dtype, token ids left integers.
+    init(target params) -> its variables, only traced for their shapes. One saved without its LM head
+    (meta_name's "head": "shared") gets the target's (its draft vocabulary's rows of it)."""
+    shared = json.loads((path / meta_name).read_text()).get("head") == "shared"
+    zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
+    if not cfg.tie_word_embeddings:
+        zeros["lm_head"] = zeros["embed"]
+    abstract = jax.eval_shape(lambda: init(zeros))
     if shared:
         del abstract["params"]["lm_head"]
     variables = restore_variables(path, abstract)
@@ -493,13 +503,5 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     if shared:
         head = decoder.lm_head(target_params, cfg)
         variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
-    # token ids stay integers
-    return spec, jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
-                              variables)
-
-
-def _zeros_target(cfg: ModelConfig) -> dict:
-    z = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
-    if not cfg.tie_word_embeddings:
-        z["lm_head"] = z["embed"]
-    return z
+    return jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
+                        variables)
