@@ -7,7 +7,6 @@ cache lengths. A PSM with weights large enough that every row's type and context
 makes the comparison sensitive; a control checks that a wrong fill is detected.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -80,7 +80,7 @@ def test_loss_decreases(llama):
     # the step's mechanics do not depend on the target's kind; Qwen3.5's training forward is checked
     # against the engine's draft in tests/test_psm_train.py
     tc, spec, opt = _setup(llama)
-    _, _, losses = _run(llama, tc, spec, opt, "8x1", 30)  # the 30 steps #9 names
+    _, _, losses = _run(llama, tc, spec, opt, "8x1", tc.steps)  # the whole schedule: warm-up and decay
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -486,15 +486,21 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     return spec, restore_drafter(path, "psm.json", init, spec, cfg, target_params, dtype)
 
 
-def restore_drafter(path: Path, meta_name: str, init, spec, cfg: ModelConfig, target_params: dict, dtype) -> dict:
-    """A saved drafter's variables (PSM or EAGLE-3), floats cast to dtype, token ids left integers.
-    init(target params) -> its variables, only traced for their shapes. One saved without its LM head
+def restore_drafter(path: Path, meta_name: str, init: Callable[[dict], dict], spec: Any,
+                    cfg: ModelConfig, target_params: dict, dtype: Any) -> dict:
+    """A saved drafter's variables (PSM or EAGLE-3: `spec` has draft_vocab), floats cast to dtype, token
+    ids left integers. init(target params) -> its variables, only traced for their shapes (the target's
+    zeros inside the trace: nothing vocabulary-sized is allocated). One saved without its LM head
     (meta_name's "head": "shared") gets the target's (its draft vocabulary's rows of it)."""
     shared = json.loads((path / meta_name).read_text()).get("head") == "shared"
-    zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
-    if not cfg.tie_word_embeddings:
-        zeros["lm_head"] = zeros["embed"]
-    abstract = jax.eval_shape(lambda: init(zeros))
+
+    def shapes():
+        zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
+        if not cfg.tie_word_embeddings:
+            zeros["lm_head"] = zeros["embed"]
+        return init(zeros)
+
+    abstract = jax.eval_shape(shapes)
     if shared:
         del abstract["params"]["lm_head"]
     variables = restore_variables(path, abstract)
