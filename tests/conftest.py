@@ -150,7 +150,8 @@ def pytest_terminal_summary(terminalreporter, config):
 
 # Tiny-model cases whose paths the default run already covers through another model kind, mesh or n:
 # marked `slow`, deselected from the default run (which must stay inside 10 minutes on 2 cores) and run
-# by CI as a step of its own (`pytest -n 2 --dist loadfile -m slow`). One list, so what leaves the default run is visible.
+# by CI as a step of its own (`pytest -n 2 --dist loadfile -m slow`). One list, so what leaves the
+# default run is visible.
 SLOW = {
     "test_sharding.py::test_tp_greedy_equals_ar[qwen3]": "tp on llama; Qwen3 differs by q/k norms only",
     "test_sharding.py::test_tp_greedy_equals_ar[qwen3_5]": "tp on llama; Gated DeltaNet tp in test_tp_sharded_load",
