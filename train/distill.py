@@ -40,13 +40,14 @@ def first_turn_prompts(model, tc) -> list[np.ndarray]:
     tc.max_len are skipped."""
     from train import loop
 
-    prompts = []
-    for _, msgs in loop.conversations(tc):
-        out = model.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
-        ids = np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
-        if len(ids) <= tc.max_len - MIN_ROOM:
-            prompts.append(ids)
-    return prompts
+    prompts = [first_turn_ids(model, msgs) for _, msgs in loop.conversations(tc)]
+    return [ids for ids in prompts if len(ids) <= tc.max_len - MIN_ROOM]
+
+
+def first_turn_ids(model, msgs: list[dict]) -> np.ndarray:
+    """A conversation's first user turn through the chat template, with the generation prompt -> [T] int32."""
+    out = model.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+    return np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
 
 
 def _chunk_matches(seqs, chunk) -> bool:

@@ -253,14 +253,21 @@ class Batches:
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         epoch, j = divmod(i, len(self))
-        idx = self._order(epoch)[j]
-        T = next(b for b in self.tc.buckets if b >= self.lengths[idx].max())
-        tokens = np.zeros((len(idx), T), np.int32)
-        mask = np.zeros((len(idx), T), bool)
-        for r, k in enumerate(idx):
-            ids, m = self.corpus[k]
-            tokens[r, :len(ids)], mask[r, :len(m)] = ids, m
-        return dict(tokens=tokens, mask=mask)
+        return pad_batch([self.corpus[k] for k in self._order(epoch)[j]], self.tc.buckets)
+
+
+def pad_batch(seqs: list[tuple[np.ndarray, np.ndarray]], buckets: Sequence[int]) -> dict[str, np.ndarray]:
+    """[(ids, mask)] -> tokens [B, T] int32, mask [B, T] bool, zero-padded to the smallest bucket T that
+    holds the longest (one compiled shape per bucket)."""
+    longest = max(len(ids) for ids, _ in seqs)
+    T = next((b for b in buckets if b >= longest), None)
+    if T is None:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the largest bucket {max(buckets)}")
+    tokens = np.zeros((len(seqs), T), np.int32)
+    mask = np.zeros((len(seqs), T), bool)
+    for r, (ids, m) in enumerate(seqs):
+        tokens[r, :len(ids)], mask[r, :len(m)] = ids, m
+    return dict(tokens=tokens, mask=mask)
 
 
 # ---------------------------------------------------------------- the drafter and its loss

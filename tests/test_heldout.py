@@ -1,0 +1,121 @@
+"""Scoring runs on a common held-out set (train/heldout.py): the score is the training objective's mean
+per position under fills keyed by sequence, whatever the batching; runs that may have trained on the
+held-out conversations are refused; runs compare at equal training positions; on the real model, the
+CLI scores a run's start and checkpoints on the target's own greedy replies."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import spd_jax
+from spd_jax.decode import pipelined
+from spd_jax.drafters.psm import PSMConfig
+from train import heldout, loop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_ckpt):
+    return spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+
+
+def test_score_is_the_mean_per_position_whatever_the_batching(llama):
+    tc = loop.TrainConfig(model=str(llama.path), n=4, psm_layers=2, buckets=(48,), max_len=48)
+    spec = PSMConfig.for_target(llama.config, pipelined.plan_for(llama, 4).counts, tc.psm_layers)
+    rng = np.random.default_rng(1)
+    seqs = []
+    for _ in range(heldout.BATCH + 3):  # a partial last batch; lengths out of order (the scorer sorts)
+        ids = rng.integers(3, llama.config.vocab_size, rng.integers(12, 48)).astype(np.int32)
+        mask = np.zeros(len(ids), bool)
+        mask[rng.integers(2, 8):-1] = True
+        seqs.append((ids, mask))
+    state, frozen = loop.init_state(llama, spec, tc, loop.make_optimizer(tc))
+    got = heldout.scorer(llama, spec, tc, seqs)(state["params"], frozen)
+
+    # each sequence alone, its fills keyed by its index in the set
+    loss = jax.jit(loop.loss_fn(llama.config, spec, tc))
+    kl = agree = 0.0
+    for i, s in enumerate(seqs):
+        key = jax.random.fold_in(jax.random.key(heldout.SEED), i)[None]
+        _, sums = loss(state["params"], frozen, llama.params, loop.pad_batch([s], tc.buckets), key)
+        kl, agree = kl + float(sums["kl_sum"]), agree + float(sums["agree_sum"])
+    positions = sum(int(m.sum()) for _, m in seqs)
+    assert got["positions"] == positions
+    # float32 sums over ~300 positions in another order: relative error well under 1e-5
+    assert got["kl"] == pytest.approx(kl / positions, rel=1e-5)
+    assert got["agreement"] == pytest.approx(agree / positions, abs=0.5 / positions)  # counts: exact
+    # the score reads the weights it is given
+    moved = jax.tree.map(lambda p: p * 1.5, state["params"])
+    assert heldout.scorer(llama, spec, tc, seqs)(moved, frozen)["kl"] != pytest.approx(got["kl"], rel=1e-3)
+
+
+def _run(tmp_path, name, **config):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps(dict(config=config)))
+    return heldout.read_run(d)
+
+
+def test_runs_that_may_have_trained_on_the_heldout_set_are_refused(tmp_path):
+    ok = _run(tmp_path, "a", limit=400)
+    heldout.check_runs([ok], offset=400)
+    with pytest.raises(ValueError, match=r"trained on conversations 0 \.\. all .* overlaps the held-out set"):
+        heldout.check_runs([ok, _run(tmp_path, "b")], offset=400)
+    with pytest.raises(ValueError, match=r"0 \.\. 499 .* pass --offset >= its limit"):
+        heldout.check_runs([_run(tmp_path, "c", limit=500)], offset=400)
+    with pytest.raises(ValueError, match="has max_len=256, .* one held-out set"):
+        heldout.check_runs([ok, _run(tmp_path, "d", limit=400, max_len=256)], offset=400)
+    with pytest.raises(FileNotFoundError, match="not a training run directory"):
+        heldout.read_run(tmp_path / "missing")
+
+
+def test_runs_compare_at_the_positions_all_reached():
+    rows = [dict(run="a", train_positions=p, kl=k, agreement=g) for p, k, g in [(0, 9, 0.0), (100, 5, 0.2), (200, 3, 0.4)]]
+    rows += [dict(run="b", train_positions=p, kl=k, agreement=g) for p, k, g in [(0, 8, 0.1), (150, 4, 0.3)]]
+    common, at = heldout.at_equal_positions(rows)
+    assert common == 150
+    assert at["a"] == pytest.approx(dict(kl=4.0, agreement=0.3)) and at["b"] == pytest.approx(dict(kl=4.0, agreement=0.3))
+
+
+@pytest.mark.real_model
+def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch):
+    """A two-step train.main run and a copy of its run.json with a random start (no checkpoints: scored
+    at its start only), scored on the target's replies to GSM8K's train conversations 8 and 9."""
+    monkeypatch.setattr(loop, "corpus_dir", lambda: tmp_path / "corpus")  # the held-out replies are generated here
+    run = tmp_path / "from-target"
+    r = subprocess.run([sys.executable, "-m", "train.main", "--config", str(ROOT / "configs/train/smollm2-n8.yaml"),
+                        "--mesh", "1x1", "--out", str(run), "sources=[gsm8k]", "limit=8", "buckets=[160]", "max_len=160",
+                        "batch_size=2", "heldout=0", "eval_every=100", "save_every=1", "n=2", "--steps", "2"],
+                       cwd=ROOT, env=dict(__import__("os").environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((run / "run.json").read_text())
+    rec["config"]["layers_from_target"] = False
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "run.json").write_text(json.dumps(rec))
+
+    assert heldout.main([str(run), str(tmp_path / "random"), "--offset", "8", "--count", "2", "--batch", "2",
+                         "--out", str(tmp_path / "cmp")]) == 0
+    res = json.loads((tmp_path / "cmp" / "heldout.json").read_text())
+    assert [(x["run"], x["step"]) for x in res["rows"]] == [("from-target", 0), ("from-target", 1),
+                                                            ("from-target", 2), ("random", 0)]
+    assert res["differences"] == {"from-target": "layers_from_target=True", "random": "layers_from_target=False"}
+    assert res["rows"][2]["train_positions"] > res["rows"][1]["train_positions"] > 0
+    assert res["rows"][0]["kl"] != res["rows"][3]["kl"]  # two starts, one held-out set
+    assert res["equal_positions"] == 0 and (tmp_path / "cmp" / "heldout.png").is_file()
+
+    # the held-out set: the 10th conversation's first turn and the target's own greedy reply (cached)
+    tc = loop.TrainConfig.from_dict(rec["config"])
+    ids, mask = heldout.heldout_set(smollm2, tc, 8, 2)[1]
+    prompt = heldout.heldout_prompts(smollm2, tc, 8, 2)[1]
+    assert ids[:len(prompt)].tolist() == prompt.tolist() and mask.sum() == len(ids) - len(prompt)
+    assert ids[len(prompt):].tolist() == spd_jax.generate(smollm2, prompt.tolist(), 160 - len(prompt)).token_ids
+    assert res["heldout"]["positions"] == sum(int(m.sum()) for _, m in heldout.heldout_set(smollm2, tc, 8, 2))
+    # a run that trained on conversation 8 is refused
+    assert heldout.main([str(run), "--offset", "4"]) == 2
