@@ -254,6 +254,16 @@ def test_resume_refuses_another_method(llama):
         loop.TrainConfig.from_dict(dict(method="medusa"))
 
 
+def test_resume_keeps_the_runs_data():
+    """A resume may change the schedule or the logging, not the data or its order (DATA_KEYS)."""
+    was = dict(sources=["gsm8k"], limit=400, steps=60, lr=3e-4)
+    loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, steps=3000, lr=1e-4, save_every=5)))
+    with pytest.raises(ValueError, match=r"it trained with limit=400, this command sets limit=None: a resume keeps"):
+        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, limit=None)))
+    with pytest.raises(ValueError, match=r"responses='dataset', seed=0, this command sets responses='target', seed=1"):
+        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, responses="target", seed=1)))
+
+
 def test_eagle3_config_matches_the_psm_data():
     """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
     positions mean equal data (the draft vocabulary is a choice of head, not of data)."""

@@ -511,6 +511,21 @@ def check_resume(was: dict, identity: dict) -> None:
         raise ValueError(f"it was trained for {was}, not {identity}")
 
 
+# What decides a run's data and its order: a resume must keep them, or "continues with the same data
+# position" (and train.heldout's check that a run never saw its held-out conversations) would not hold.
+DATA_KEYS = ("sources", "limit", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
+
+
+def check_same_data(was: dict, tc: TrainConfig) -> None:
+    """Refuse to resume a run (`was`: the config its run.json holds) with other data keys (DATA_KEYS)."""
+    old = TrainConfig.from_dict(was)
+    changed = [k for k in DATA_KEYS if getattr(old, k) != getattr(tc, k)]
+    if changed:
+        raise ValueError("it trained with " + ", ".join(f"{k}={getattr(old, k)!r}" for k in changed) + ", this command "
+                         "sets " + ", ".join(f"{k}={getattr(tc, k)!r}" for k in changed) + ": a resume keeps the run's "
+                         "data and its order (drop those overrides, or train a new run with --out)")
+
+
 def save_drafter(path: Path, variables: dict, spec: Spec, extra: dict) -> None:
     """Export trained variables to a new directory without the LM head (the target's, shared, which the
     loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: a PSM

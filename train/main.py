@@ -170,7 +170,10 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
         if restore_step is None:
             raise FileNotFoundError(f"--{'resume' if args.resume else 'export'}: no checkpoint in {out / 'ckpt'}")
         try:
-            loop.check_resume(json.loads((out / "run.json").read_text())["identity"], identity)
+            recorded_run = json.loads((out / "run.json").read_text())
+            loop.check_resume(recorded_run["identity"], identity)
+            if args.resume:
+                loop.check_same_data(recorded_run["config"], tc)
         except ValueError as e:
             raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
     if leader:
