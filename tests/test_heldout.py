@@ -46,7 +46,6 @@ def test_score_is_the_mean_per_position_whatever_the_batching(llama):
         _, sums = loss(state["params"], frozen, llama.params, loop.pad_batch([s], tc.buckets), key)
         kl, agree = kl + float(sums["kl_sum"]), agree + float(sums["agree_sum"])
     positions = sum(int(m.sum()) for _, m in seqs)
-    assert got["positions"] == positions
     # float32 sums over ~300 positions in another order: relative error well under 1e-5
     assert got["kl"] == pytest.approx(kl / positions, rel=1e-5)
     assert got["agreement"] == pytest.approx(agree / positions, abs=0.5 / positions)  # counts: exact
@@ -65,22 +64,54 @@ def _run(tmp_path, name, **config):
 def test_runs_that_may_have_trained_on_the_heldout_set_are_refused(tmp_path):
     ok = _run(tmp_path, "a", limit=400)
     heldout.check_runs([ok], offset=400)
-    with pytest.raises(ValueError, match=r"trained on conversations 0 \.\. all .* overlaps the held-out set"):
+    with pytest.raises(ValueError, match=r"every conversation .* \(no limit\), so none is held out: .* limit=N"):
         heldout.check_runs([ok, _run(tmp_path, "b")], offset=400)
-    with pytest.raises(ValueError, match=r"0 \.\. 499 .* pass --offset >= its limit"):
+    with pytest.raises(ValueError, match=r"conversations 0 \.\. 499 .* overlaps .* pass --offset 500"):
         heldout.check_runs([_run(tmp_path, "c", limit=500)], offset=400)
     with pytest.raises(ValueError, match="has max_len=256, .* one held-out set"):
         heldout.check_runs([ok, _run(tmp_path, "d", limit=400, max_len=256)], offset=400)
+    with pytest.raises(ValueError, match="has method='eagle3', .* one objective"):
+        heldout.check_runs([ok, _run(tmp_path, "e", limit=400, method="eagle3")], offset=400)
+    # a warm start's own training data is unknown here
+    with pytest.raises(ValueError, match="started from spd_jax/psms/x \\(init_from\\)"):
+        heldout.check_runs([_run(tmp_path, "f", limit=400, init_from="spd_jax/psms/x")], offset=400)
     with pytest.raises(FileNotFoundError, match="not a training run directory"):
         heldout.read_run(tmp_path / "missing")
 
 
 def test_runs_compare_at_the_positions_all_reached():
-    rows = [dict(run="a", train_positions=p, kl=k, agreement=g) for p, k, g in [(0, 9, 0.0), (100, 5, 0.2), (200, 3, 0.4)]]
-    rows += [dict(run="b", train_positions=p, kl=k, agreement=g) for p, k, g in [(0, 8, 0.1), (150, 4, 0.3)]]
+    rows = [dict(run="a", step=s, train_positions=p, kl=k, agreement=g)
+            for s, p, k, g in [(0, 0, 9, 0.0), (10, 100, 5, 0.2), (20, 200, 3, 0.4)]]
+    rows += [dict(run="b", step=s, train_positions=p, kl=k, agreement=g) for s, p, k, g in [(0, 0, 8, 0.1), (5, 150, 4, 0.3)]]
     common, at = heldout.at_equal_positions(rows)
-    assert common == 150
-    assert at["a"] == pytest.approx(dict(kl=4.0, agreement=0.3)) and at["b"] == pytest.approx(dict(kl=4.0, agreement=0.3))
+    assert common == 150  # b's last; a is interpolated between its steps 10 and 20, b is its step 5
+    assert at["a"] == dict(kl=pytest.approx(4.0), agreement=pytest.approx(0.3), between=[10, 20])
+    assert at["b"] == dict(kl=4.0, agreement=0.3, between=[5])
+
+
+class _Tokenizer:
+    def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize and len(msgs) == 1
+        return [1] + [int(w) for w in msgs[0]["content"].split()]
+
+
+def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch):
+    """Conversations offset .. offset + count - 1 of each source, counted per source; a held-out first
+    turn equal to one a run trained on (index < seen_below in its source) is dropped and counted."""
+    def conversations(tc):
+        for src, n in (("one", 9), ("two", 7)):  # "two"'s conversation 5 repeats its conversation 1
+            for i in range(min(n, tc.limit)):
+                text = f"{9 if src == 'one' else 7} {1 if (src, i) == ('two', 5) else i}"
+                yield src, [dict(role="user", content=text), dict(role="assistant", content="x")]
+
+    monkeypatch.setattr(loop, "conversations", conversations)
+    model = type("M", (), dict(tokenizer=_Tokenizer()))()
+    tc = loop.TrainConfig(max_len=64)
+    prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3, seen_below=4)
+    assert [p.tolist() for p in prompts] == [[1, 9, 4], [1, 9, 5], [1, 9, 6], [1, 7, 4], [1, 7, 6]]
+    assert repeats == 1
+    prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3)  # nothing to compare with
+    assert len(prompts) == 6 and repeats == 0
 
 
 @pytest.mark.real_model
@@ -112,10 +143,11 @@ def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch):
 
     # the held-out set: the 10th conversation's first turn and the target's own greedy reply (cached)
     tc = loop.TrainConfig.from_dict(rec["config"])
-    ids, mask = heldout.heldout_set(smollm2, tc, 8, 2)[1]
-    prompt = heldout.heldout_prompts(smollm2, tc, 8, 2)[1]
+    seqs, repeats = heldout.heldout_set(smollm2, tc, 8, 2, seen_below=8)
+    ids, mask = seqs[1]
+    prompt = heldout.heldout_prompts(smollm2, tc, 8, 2, seen_below=8)[0][1]
     assert ids[:len(prompt)].tolist() == prompt.tolist() and mask.sum() == len(ids) - len(prompt)
     assert ids[len(prompt):].tolist() == spd_jax.generate(smollm2, prompt.tolist(), 160 - len(prompt)).token_ids
-    assert res["heldout"]["positions"] == sum(int(m.sum()) for _, m in heldout.heldout_set(smollm2, tc, 8, 2))
+    assert repeats == 0 and res["heldout"]["positions"] == sum(int(m.sum()) for _, m in seqs)
     # a run that trained on conversation 8 is refused
     assert heldout.main([str(run), "--offset", "4"]) == 2

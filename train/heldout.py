@@ -6,15 +6,21 @@ At inference a drafter is checked against the target's own continuation, so that
 set holds, whatever a run trained on (the dataset's responses or the target's: `responses`). The set:
 the first user turn of conversations offset .. offset + count - 1 of each source the runs trained on,
 answered greedily by the target up to the runs' max_len (`train.distill.regenerate`, cached beside the
-corpora). A run whose `limit` does not keep those conversations out of its training data is refused.
+corpora), less any whose prompt repeats a training conversation's first turn (ShareGPT has duplicates).
+A run whose `limit` does not keep those conversations out of its training data is refused, as is one
+that started from another drafter (`init_from`: what that one saw is not checked here).
 
 Every kept checkpoint of each run, and its initial state (step 0: where the run started, e.g. the
 target's last layers against a random start), is scored teacher-forced with the training objective
-(`loop.loss_fn`: KL(target || drafter) per response position, and top-1 agreement with the target,
-which for a PSM is the chance a greedy draft is accepted at the simulated fill). The simulated pipeline
-fills are one fixed draw shared by all runs, so every score differs only by the drafter's weights.
+(`loop.loss_fn`, in float32 whatever the run computed in, on one bucket set): KL(target || drafter) per
+response position (an EAGLE-3 drafter's: averaged over its unrolled draft steps, so runs of one method
+are compared) and top-1 agreement with the target, which for a PSM is the chance a greedy draft is
+accepted at the simulated fill. The simulated pipeline fills are one fixed draw shared by all runs, so
+the scores differ only by the drafters' weights. Runs meant for comparison should keep many checkpoints
+(`save_every`, `keep`): the comparison at equal data interpolates between the two around it.
 Writes heldout.json (a row per run and step), heldout.md (the table, and every run at the largest number
-of training positions all reached: equal data) and heldout.png (both scores against training positions).
+of training positions all reached, with the checkpoints it lies between) and heldout.png (both scores
+against training positions).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import numpy as np
 log = logging.getLogger("train.heldout")
 
 SEED = 20261202  # the fixed draw of simulated fills every run is scored under
-BATCH = 8  # held-out sequences per scored batch
+BATCH = 8  # held-out sequences per scored batch: a training batch's size, so its memory is known to fit
+# Config keys that only say how a run was logged or saved: not what a comparison is about.
+BOOKKEEPING = ("save_every", "keep", "log_every", "eval_every", "eval_prompts", "eval_tokens", "distill_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,62 +63,81 @@ def read_run(path: Path) -> Run:
 
 
 def check_runs(runs: list[Run], offset: int) -> None:
-    """One target and data definition for all; none may have trained on the held-out conversations."""
+    """One target, method and data definition for all; none may have seen the held-out conversations."""
     first = runs[0].tc
     for r in runs:
-        for key in ("model", "sources", "max_len"):
+        for key in ("model", "method", "sources", "max_len"):
             if getattr(r.tc, key) != getattr(first, key):
                 raise ValueError(f"{r.path} has {key}={getattr(r.tc, key)!r}, {runs[0].path} {getattr(first, key)!r}: "
-                                 "runs are compared on one held-out set of one target's replies; compare like runs")
-        if r.tc.limit is None or r.tc.limit > offset:
-            raise ValueError(f"{r.path} trained on conversations 0 .. {'all' if r.tc.limit is None else r.tc.limit - 1} "
-                             f"of each source, which overlaps the held-out set from --offset {offset}: pass --offset "
-                             f">= its limit (train runs to compare with limit=N)")
+                                 "runs are compared on one held-out set of one target's replies with one objective; "
+                                 "compare like runs")
+        if r.tc.limit is None:
+            raise ValueError(f"{r.path} trained on every conversation of {', '.join(r.tc.sources)} (no limit), so none is "
+                             f"held out: train the runs to compare with limit=N (N <= --offset {offset})")
+        if r.tc.limit > offset:
+            raise ValueError(f"{r.path} trained on conversations 0 .. {r.tc.limit - 1} of each source, which overlaps "
+                             f"the held-out set from --offset {offset}: pass --offset {r.tc.limit} (or more)")
+        if r.tc.init_from:
+            raise ValueError(f"{r.path} started from {r.tc.init_from} (init_from), whose training data is not checked "
+                             "against the held-out set: compare runs that start from the target or at random")
 
 
-def heldout_prompts(model, tc, offset: int, count: int) -> list[np.ndarray]:
-    """First-turn prompts of conversations offset .. offset + count - 1 of each of tc.sources, in order;
-    ones leaving the reply under distill.MIN_ROOM tokens of tc.max_len are skipped."""
+def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> tuple[list[np.ndarray], int]:
+    """-> (first-turn prompts [T_i] int32 of conversations offset .. offset + count - 1 of each of tc.sources,
+    in order; how many were dropped as repeats of a first turn among conversations 0 .. seen_below - 1 of
+    their source). Ones leaving the reply under distill.MIN_ROOM tokens of tc.max_len are skipped."""
     from train import distill, loop
 
-    seen: collections.Counter = collections.Counter()
-    out = []
-    for src, msgs in loop.conversations(dataclasses.replace(tc, limit=offset + count)):
-        seen[src] += 1
-        if seen[src] > offset:
-            ids = distill.first_turn_ids(model, msgs)
-            if len(ids) <= tc.max_len - distill.MIN_ROOM:
-                out.append(ids)
-    return out
+    index: collections.Counter = collections.Counter()
+    trained: set[tuple[str, bytes]] = set()
+    out, repeats = [], 0
+    for src, msgs in loop.conversations(dataclasses.replace(tc, limit=max(offset + count, seen_below))):
+        i = index[src]
+        index[src] += 1
+        if i >= offset + count and i >= seen_below:
+            continue
+        ids = distill.first_turn_ids(model, msgs)
+        if i < seen_below:
+            trained.add((src, ids.tobytes()))
+        if offset <= i < offset + count and len(ids) <= tc.max_len - distill.MIN_ROOM:
+            out.append((src, ids))
+    kept = [ids for src, ids in out if (src, ids.tobytes()) not in trained]
+    return kept, len(out) - len(kept)
 
 
-def heldout_set(model, tc, offset: int, count: int, batch: int = 32) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[(ids, mask)]: the held-out prompts with the target's greedy replies (mask: t + 1 is a reply
-    token), generated once and cached."""
+def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
+                batch: int = 32) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """-> ([(ids [T_i] int32, mask [T_i] bool)]: the held-out prompts with the target's greedy replies,
+    mask[t] where t + 1 is a reply token; prompts dropped as repeats of training ones), generated once
+    and cached."""
     from train import distill, loop
 
-    prompts = heldout_prompts(model, tc, offset, count)
+    prompts, repeats = heldout_prompts(model, tc, offset, count, seen_below)
     if not prompts:
-        raise ValueError(f"no held-out conversations at offset {offset} of {list(tc.sources)} (fewer than "
-                         f"{offset + 1} conversations, or none fits max_len {tc.max_len})")
+        raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.sources)} (fewer than "
+                         f"{offset + 1} conversations, or none fits max_len {tc.max_len}): pass a smaller --offset "
+                         "and train the runs with a limit below it")
     key = loop.corpus_key(model, dataclasses.replace(tc, limit=None), "heldout-target-greedy", offset, count,
-                          distill.MIN_ROOM)
-    log.info("held-out set: %d first turns (conversations %d .. %d of %s), the target's greedy replies",
-             len(prompts), offset, offset + count - 1, ", ".join(tc.sources))
-    return distill.regenerate(model, prompts, tc.max_len, batch, loop.corpus_dir() / f"heldout-{key}")
+                          seen_below, distill.MIN_ROOM)
+    log.info("held-out set: %d first turns (conversations %d .. %d of %s; %d dropped as repeats of training "
+             "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1, ", ".join(tc.sources),
+             repeats)
+    return distill.regenerate(model, prompts, tc.max_len, batch, loop.corpus_dir() / f"heldout-{key}"), repeats
 
 
-def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]]):
-    """-> score(trainable, frozen) -> {kl, agreement, positions}: the objective summed over `seqs` (sorted
-    by length into batches of BATCH, padded to tc.buckets), with sequence i's fills keyed by (SEED, i)."""
+def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=None):
+    """-> score(trainable, frozen) -> {kl, agreement}: the objective in float32 over `seqs` (sorted by
+    length into batches of BATCH, padded to `buckets`, default tc's), sequence i's fills keyed by (SEED, i):
+    the same fills whatever the padding, as long as the buckets are the same for every run."""
     import jax
     import jax.numpy as jnp
 
     from train import loop
 
+    tc = dataclasses.replace(tc, compute_dtype="float32")  # one teacher for every run
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i][0]), i))
-    batches = [(loop.pad_batch([seqs[i] for i in order[a:a + BATCH]], tc.buckets), np.asarray(order[a:a + BATCH]))
-               for a in range(0, len(order), BATCH)]
+    batches = [(loop.pad_batch([seqs[i] for i in order[a:a + BATCH]], buckets or tc.buckets),
+                np.asarray(order[a:a + BATCH])) for a in range(0, len(order), BATCH)]
     target = loop.compute_target(model, tc)
     loss = jax.jit(loop.loss_fn(model.config, spec, tc))
     base = jax.random.key(SEED)
@@ -124,15 +151,14 @@ def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]]):
             tot["agree"] += float(sums["agree_sum"])
             tot["positions"] += float(sums["positions"])
             tot["agree_positions"] += float(sums.get("agree_positions", sums["positions"]))
-        return dict(kl=tot["kl"] / tot["positions"], agreement=tot["agree"] / tot["agree_positions"],
-                    positions=int(tot["positions"]))
+        return dict(kl=tot["kl"] / tot["positions"], agreement=tot["agree"] / tot["agree_positions"])
 
     return score
 
 
-def score_run(model, run: Run, seqs, show_progress: bool = True) -> list[dict]:
-    """Rows {run, step, positions (training), kl, agreement} for the run's initial state and each kept
-    checkpoint."""
+def score_run(model, run: Run, seqs, buckets=None, show_progress: bool = True) -> list[dict]:
+    """Rows {run, step, train_positions, kl, agreement} for the run's initial state and each kept
+    checkpoint (`scorer`'s scores; `buckets`: the padding every compared run shares)."""
     import jax
 
     from spd_jax.progress import progress_bar
@@ -144,11 +170,12 @@ def score_run(model, run: Run, seqs, show_progress: bool = True) -> list[dict]:
     if spec.draft_vocab:
         vocab_file = run.path / "draft_vocab.npy"
         if not vocab_file.is_file():
-            raise FileNotFoundError(f"{vocab_file} not found: the run's draft vocabulary is needed to score it")
+            raise FileNotFoundError(f"{vocab_file} not found: the run's draft vocabulary (written by train.main "
+                                    "since it has had one) is needed to score it; restore the file from the run")
         vocab_ids = np.load(vocab_file, allow_pickle=False)
     opt = loop.make_optimizer(tc)
     state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
-    score = scorer(model, spec, tc, seqs)
+    score = scorer(model, spec, tc, seqs, buckets)
     rows = [dict(run=run.path.name, step=0, train_positions=0, **score(state["params"], frozen))]
     if not (run.path / "ckpt").is_dir():
         return rows
@@ -162,23 +189,29 @@ def score_run(model, run: Run, seqs, show_progress: bool = True) -> list[dict]:
 
 
 def differences(runs: list[Run]) -> dict[str, str]:
-    """Run name -> the config keys that differ between the runs (what the comparison is about)."""
-    keys = sorted({k for r in runs for k in r.config} - {"steps"})
-    varying = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
-    return {r.path.name: ", ".join(f"{k}={r.config.get(k)}" for k in varying) or "-" for r in runs}
+    """Run name -> the training settings that differ between the runs (defaults filled in; bookkeeping
+    keys left out; `steps` kept: it sets the learning-rate schedule)."""
+    cfgs = [{k: v for k, v in dataclasses.asdict(r.tc).items() if k not in BOOKKEEPING} for r in runs]
+    varying = [k for k in cfgs[0] if len({json.dumps(c[k], sort_keys=True) for c in cfgs}) > 1]
+    return {r.path.name: ", ".join(f"{k}={c[k]}" for k in varying) or "-" for r, c in zip(runs, cfgs)}
 
 
 def at_equal_positions(rows: list[dict]) -> tuple[int, dict[str, dict]]:
     """The largest training positions every run reached, and each run's scores there, linearly
-    interpolated between its two checkpoints around it."""
+    interpolated between the two scored states around it (`between`: their steps; one step when a
+    checkpoint lies there)."""
     by_run = collections.defaultdict(list)
     for r in rows:
         by_run[r["run"]].append(r)
     common = min(max(r["train_positions"] for r in rs) for rs in by_run.values())
     out = {}
     for name, rs in by_run.items():
+        rs = sorted(rs, key=lambda r: r["train_positions"])
         x = [r["train_positions"] for r in rs]
+        hi = int(np.searchsorted(x, common))
+        between = [rs[hi]["step"]] if x[hi] == common else [rs[hi - 1]["step"], rs[hi]["step"]]
         out[name] = {k: float(np.interp(common, x, [r[k] for r in rs])) for k in ("kl", "agreement")}
+        out[name]["between"] = between
     return common, out
 
 
@@ -196,11 +229,13 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
                                                       differences=diff, rows=rows, equal_positions=common,
                                                       at_equal_positions=equal), indent=1))
     lines = [f"Held-out set: {heldout['sequences']} first turns (conversations {heldout['offset']} .. "
-             f"{heldout['offset'] + heldout['count'] - 1} of each of {', '.join(heldout['sources'])}), the target's "
-             f"greedy replies, {heldout['positions']} scored positions; fills drawn once (seed {SEED}) for all runs.",
-             "", f"At {common:,} training positions (the most every run reached; interpolated between checkpoints):", "",
-             "| run | differs in | held-out KL | held-out top-1 agreement |", "|---|---|---|---|"]
-    lines += [f"| {name} | {diff[name]} | {v['kl']:.3f} | {v['agreement']:.4f} |" for name, v in equal.items()]
+             f"{heldout['offset'] + heldout['count'] - 1} of each of {', '.join(heldout['sources'])}, less "
+             f"{heldout['repeats']} repeating a training prompt), the target's greedy replies, {heldout['positions']:,} "
+             f"scored positions; fills drawn once (seed {SEED}) for all runs; float32.",
+             "", f"At {common:,} training positions (the most every run reached; interpolated between the steps named):",
+             "", "| run | differs in | steps | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {diff[name]} | {' - '.join(map(str, v['between']))} | {v['kl']:.3f} | {v['agreement']:.4f} |"
+              for name, v in equal.items()]
     lines += ["", "Every scored state (step 0: the initial weights):", "",
               "| run | step | training positions | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['step']} | {r['train_positions']:,} | {r['kl']:.3f} | {r['agreement']:.4f} |"
@@ -236,24 +271,26 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
+    # What the user can fix (arguments, run directories, data, a missing file or the `train` extra) ends
+    # with `error: ...` and status 2; errors while scoring are not caught.
     try:
         if args.offset < 0 or args.count < 1:
             raise ValueError(f"--offset must be >= 0 and --count >= 1 (got {args.offset}, {args.count})")
         runs = [read_run(p) for p in args.runs]
         if len({r.path.name for r in runs}) < len(runs):
-            raise ValueError("two runs share a directory name: the report names runs by it")
+            raise ValueError("two runs share a directory name, which the report names them by: rename one")
         check_runs(runs, args.offset)
-    except (ValueError, FileNotFoundError) as e:
+        import spd_jax
+
+        tc = runs[0].tc
+        model = spd_jax.load_model(tc.model)
+        seqs, repeats = heldout_set(model, tc, args.offset, args.count, max(r.tc.limit for r in runs), args.batch)
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import spd_jax
-
-    tc = runs[0].tc
-    model = spd_jax.load_model(tc.model)
-    seqs = heldout_set(model, tc, args.offset, args.count, args.batch)
-    rows = [row for run in runs for row in score_run(model, run, seqs)]
+    rows = [row for run in runs for row in score_run(model, run, seqs, tc.buckets)]
     heldout = dict(offset=args.offset, count=args.count, sources=list(tc.sources), max_len=tc.max_len,
-                   sequences=len(seqs), positions=rows[0]["positions"])
+                   sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
     print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))
     return 0
 
