@@ -115,7 +115,7 @@ def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch)
 
 
 @pytest.mark.real_model
-def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch):
+def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch, capsys):
     """A two-step train.main run and a copy of its run.json with a random start (no checkpoints: scored
     at its start only), scored on the target's replies to GSM8K's train conversations 8 and 9."""
     monkeypatch.setattr(loop, "corpus_dir", lambda: tmp_path / "corpus")  # the held-out replies are generated here
@@ -149,5 +149,10 @@ def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch):
     assert ids[:len(prompt)].tolist() == prompt.tolist() and mask.sum() == len(ids) - len(prompt)
     assert ids[len(prompt):].tolist() == spd_jax.generate(smollm2, prompt.tolist(), 160 - len(prompt)).token_ids
     assert repeats == 0 and res["heldout"]["positions"] == sum(int(m.sum()) for _, m in seqs)
-    # a run that trained on conversation 8 is refused
+    # only the steps asked for; one the run does not keep, or a run that trained on conversation 8, is refused
+    assert heldout.main([str(run), "--offset", "8", "--count", "2", "--steps", "2", "--out", str(tmp_path / "c2")]) == 0
+    assert [x["step"] for x in json.loads((tmp_path / "c2" / "heldout.json").read_text())["rows"]] == [0, 2]
+    assert heldout.main([str(run), "--offset", "8", "--count", "2", "--steps", "5"]) == 2
     assert heldout.main([str(run), "--offset", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "keeps no checkpoint of step(s) [5] (kept: [1, 2])" in err and "pass --offset 8" in err

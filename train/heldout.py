@@ -1,6 +1,6 @@
 """Score training runs side by side on one held-out set: the target's own greedy replies.
 
-    python -m train.heldout RUN [RUN ...] [--offset 400] [--count 32] [--out DIR]
+    python -m train.heldout RUN [RUN ...] [--offset 400] [--count 32] [--steps 20,40] [--out DIR]
 
 At inference a drafter is checked against the target's own continuation, so that is what the held-out
 set holds, whatever a run trained on (the dataset's responses or the target's: `responses`). The set:
@@ -10,7 +10,7 @@ corpora), less any whose prompt repeats a training conversation's first turn (Sh
 A run whose `limit` does not keep those conversations out of its training data is refused, as is one
 that started from another drafter (`init_from`: what that one saw is not checked here).
 
-Every kept checkpoint of each run, and its initial state (step 0: where the run started, e.g. the
+Every kept checkpoint of each run (or those of --steps), and its initial state (step 0: where the run started, e.g. the
 target's last layers against a random start), is scored teacher-forced with the training objective
 (`loop.loss_fn`, in float32 whatever the run computed in, on one bucket set): KL(target || drafter) per
 response position (an EAGLE-3 drafter's: averaged over its unrolled draft steps, so runs of one method
@@ -156,9 +156,24 @@ def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=N
     return score
 
 
-def score_run(model, run: Run, seqs, buckets=None, show_progress: bool = True) -> list[dict]:
-    """Rows {run, step, train_positions, kl, agreement} for the run's initial state and each kept
-    checkpoint (`scorer`'s scores; `buckets`: the padding every compared run shares)."""
+def checkpoints_to_score(run: Run, steps: set[int] | None = None) -> list[int]:
+    """The run's kept checkpoint steps, or those of `steps` (each must be kept), ascending; raises for a run
+    that cannot be scored."""
+    from train import loop
+
+    if run.tc.draft_vocab and not (run.path / "draft_vocab.npy").is_file():
+        raise FileNotFoundError(f"{run.path / 'draft_vocab.npy'} not found: the run's draft vocabulary (train.main "
+                                "writes it beside ckpt/) is needed to score it; restore the file from the run")
+    kept = loop.Checkpoints(run.path / "ckpt", run.tc).all_steps() if (run.path / "ckpt").is_dir() else []
+    if steps is not None and set(steps) - set(kept):
+        raise ValueError(f"{run.path} keeps no checkpoint of step(s) {sorted(set(steps) - set(kept))} (kept: {kept}): "
+                         "pass --steps from those")
+    return kept if steps is None else sorted(steps)
+
+
+def score_run(model, run: Run, seqs, buckets=None, steps: list[int] = (), show_progress: bool = True) -> list[dict]:
+    """Rows {run, step, train_positions, kl, agreement} for the run's initial state and its checkpoints
+    of `steps` (`checkpoints_to_score`) by `scorer` (`buckets`: the padding every compared run shares)."""
     import jax
 
     from spd_jax.progress import progress_bar
@@ -168,19 +183,15 @@ def score_run(model, run: Run, seqs, buckets=None, show_progress: bool = True) -
     spec = loop.drafter_spec(model, tc)
     vocab_ids = None
     if spec.draft_vocab:
-        vocab_file = run.path / "draft_vocab.npy"
-        if not vocab_file.is_file():
-            raise FileNotFoundError(f"{vocab_file} not found: the run's draft vocabulary (written by train.main "
-                                    "since it has had one) is needed to score it; restore the file from the run")
-        vocab_ids = np.load(vocab_file, allow_pickle=False)
+        vocab_ids = np.load(run.path / "draft_vocab.npy", allow_pickle=False)
     opt = loop.make_optimizer(tc)
     state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
     score = scorer(model, spec, tc, seqs, buckets)
     rows = [dict(run=run.path.name, step=0, train_positions=0, **score(state["params"], frozen))]
-    if not (run.path / "ckpt").is_dir():
+    if not steps:
         return rows
     ckpts = loop.Checkpoints(run.path / "ckpt", tc)
-    for step in progress_bar(ckpts.all_steps(), desc=f"scoring {run.path.name}", unit="ckpt",
+    for step in progress_bar(steps, desc=f"scoring {run.path.name}", unit="ckpt",
                              disable=not show_progress):
         restored, meta = ckpts.restore(step, jax.eval_shape(lambda: state))
         rows.append(dict(run=run.path.name, step=step, train_positions=int(meta["positions"]),
@@ -266,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="training run directories (train.main --out), trained with limit <= --offset")
     ap.add_argument("--offset", type=int, default=400, help="first held-out conversation index of each source")
     ap.add_argument("--count", type=int, default=32, help="held-out conversations per source")
+    ap.add_argument("--steps", help="the checkpoints to score, e.g. 20,40,60 (default: every kept one; the "
+                                     "initial state is always scored)")
     ap.add_argument("--batch", type=int, default=32, help="prompts per generated batch (the target's replies)")
     ap.add_argument("--out", help="where heldout.json/.md/.png go (default: the first run's directory)")
     args = ap.parse_args(argv)
@@ -276,6 +289,10 @@ def main(argv=None) -> int:
     try:
         if args.offset < 0 or args.count < 1:
             raise ValueError(f"--offset must be >= 0 and --count >= 1 (got {args.offset}, {args.count})")
+        try:
+            steps = None if args.steps is None else {int(x) for x in args.steps.split(",") if x.strip()}
+        except ValueError:
+            raise ValueError(f"--steps {args.steps!r} is not a comma-separated list of steps (e.g. 20,40,60)") from None
         runs = [read_run(p) for p in args.runs]
         if len({r.path.name for r in runs}) < len(runs):
             raise ValueError("two runs share a directory name, which the report names them by: rename one")
@@ -284,11 +301,12 @@ def main(argv=None) -> int:
 
         tc = runs[0].tc
         model = spd_jax.load_model(tc.model)
+        scored = [checkpoints_to_score(r, steps) for r in runs]
         seqs, repeats = heldout_set(model, tc, args.offset, args.count, max(r.tc.limit for r in runs), args.batch)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [row for run in runs for row in score_run(model, run, seqs, tc.buckets)]
+    rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, seqs, tc.buckets, st)]
     heldout = dict(offset=args.offset, count=args.count, sources=list(tc.sources), max_len=tc.max_len,
                    sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
     print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))
