@@ -47,7 +47,6 @@ BOOKKEEPING = ("save_every", "keep", "log_every", "eval_every", "eval_prompts", 
 @dataclasses.dataclass(frozen=True)
 class Run:
     path: Path
-    config: dict  # as run.json recorded it
     tc: Any  # its loop.TrainConfig
 
 
@@ -58,8 +57,7 @@ def read_run(path: Path) -> Run:
     rec = path / "run.json"
     if not rec.is_file():
         raise FileNotFoundError(f"{rec} not found: {path} is not a training run directory (train.main --out)")
-    config = json.loads(rec.read_text())["config"]
-    return Run(path, config, loop.TrainConfig.from_dict(config))
+    return Run(path, loop.TrainConfig.from_dict(json.loads(rec.read_text())["config"]))
 
 
 def check_runs(runs: list[Run], offset: int) -> None:
