@@ -191,6 +191,42 @@ def test_mismatched_psm_is_refused(llama, tiny_ckpt):
         check_spec(spec, other.config, (2, 2, 2, 2))
 
 
+def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt, tmp_path, caplog):
+    """init_from copies an exported PSM's trained weights (not its head: the target's, frozen): one for
+    this n, or for another n (plan, anchors) with the same shapes (logged); other layer or anchor counts
+    and another target model are refused."""
+    from spd_jax.drafters.psm import save_psm
+
+    tc, spec, opt = _setup(llama)
+    state, frozen, _ = _run(llama, tc, spec, opt, "1x1", 3)
+    v = loop.join_params(state["params"], frozen)
+    save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,
+             extra=dict(head="shared"))
+    trained = {k: x for k, x in state["params"].items()}
+    for n in (4, 2):  # n = 2: another plan, so another staircase; the shapes are the same
+        tc2 = loop.TrainConfig(**{**tc.__dict__, "n": n, "init_from": str(tmp_path / "psm")})
+        spec2 = PSMConfig.for_target(llama.config, pipelined.plan_for(llama, n).counts, tc2.psm_layers)
+        assert (spec2.plan == spec.plan) == (n == 4)
+        with caplog.at_level("WARNING", logger="train.loop"):
+            caplog.clear()
+            warm, _ = loop.init_state(llama, spec2, tc2, loop.make_optimizer(tc2))
+        assert ("a warm start only" in caplog.text) == (n != 4)
+        assert set(warm["params"]) == set(trained) and int(warm["step"]) == 0
+        for k in trained:
+            assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), warm["params"][k], trained[k])), k
+    fresh, _ = loop.init_state(llama, spec, tc, opt)
+    assert not np.array_equal(fresh["params"]["proj_0"]["kernel"], trained["proj_0"]["kernel"])
+    with pytest.raises(ValueError, match="has 2 PSM layers, this run 1; set psm_layers=2"):
+        tc1 = loop.TrainConfig(**{**tc.__dict__, "psm_layers": 1, "init_from": str(tmp_path / "psm")})
+        loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 1), tc1, opt)
+    tc3 = loop.TrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "psm")})
+    with pytest.raises(ValueError, match=r"reads 5 anchors \[0, 2, 4, 6, 7\], this run 3"):
+        loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 2, anchors=(0, 4, 7)), tc3, opt)
+    other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
+    with pytest.raises(PSMCheckpointError, match="another model"):
+        loop.init_state(other, PSMConfig.for_target(other.config, spec.plan, 2), tc3, opt)
+
+
 def test_eagle3_trains_through_the_same_step(llama, tmp_path):
     """method=eagle3: the training-time-test loss falls through `loop.make_step` (the same optimiser and
     batches as the PSM's), metrics carry the first step's agreement and per-step agreement, the quick

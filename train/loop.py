@@ -59,7 +59,7 @@ class TrainConfig:
     # V': head over the V' most frequent response tokens of the training data (0: the whole vocabulary);
     # the loss is then the KL of the teacher restricted (renormalised) to them
     draft_vocab: int = 0
-    init_from: str | None = None  # warm start from an exported drafter (PSM: same target, n, plan, anchors)
+    init_from: str | None = None  # warm start from an exported drafter (PSM: same target, Ls and anchor count)
     # eagle3: the target's hidden states it fuses (default EAGLE-3's low/mid/high), the draft steps the
     # training-time test unrolls, the chain length of its quick eval
     feature_layers: tuple[int, ...] | None = None
@@ -438,15 +438,29 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None) -> tuple
     variables = init_psm(model.config, spec, model.params, seed=tc.seed,
                          layers_from_target=tc.layers_from_target, vocab_ids=vocab_ids)
     if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
-        from spd_jax.drafters.psm import load_psm
+        from spd_jax.drafters.psm import load_psm, read_spec
 
-        was, warm = load_psm(tc.init_from, model.config, spec.plan, model.params, jnp.float32, spec.anchors)
+        was = read_spec(tc.init_from)
         if was.num_layers != spec.num_layers:
             raise ValueError(f"init_from {tc.init_from} has {was.num_layers} PSM layers, this run {spec.num_layers}; "
                              f"set psm_layers={was.num_layers}")
+        if was.m != spec.m:
+            raise ValueError(f"init_from {tc.init_from} reads {was.m} anchors {list(was.anchors)}, this run "
+                             f"{spec.m} {list(spec.anchors)}: its projections do not fit; set anchors="
+                             f"{','.join(map(str, was.anchors))} or start without init_from")
+        if (was.plan, was.anchors) != (spec.plan, spec.anchors):
+            # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
+            # embedding-only projection (the drafting row's) mean the same; the staircase and what the
+            # deeper anchors hold change, and training adapts them.
+            log.warning("init_from %s was trained for n=%d (plan %s, anchors %s); this run is n=%d (plan %s, "
+                        "anchors %s): a warm start only", tc.init_from, was.n, list(was.plan), list(was.anchors),
+                        spec.n, list(spec.plan), list(spec.anchors))
+        # the target (model) is still checked: another model's PSM is refused
+        was, warm = load_psm(tc.init_from, model.config, was.plan, model.params, jnp.float32, was.anchors)
         for k, w in warm["params"].items():
             if k != "lm_head":
-                variables["params"][k] = jnp.array(w, copy=True)  # donated: no aliasing
+                # copies (training donates its buffers); proj_a are {kernel} dicts
+                variables["params"][k] = jax.tree.map(lambda a: jnp.array(a, copy=True), w)
     trainable, frozen = split_params(variables)
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
 
