@@ -77,6 +77,18 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert "| 3 | 3,000 |" not in text and "KL 3.750" in text  # the mean of steps 1 and 2: 5.0 and 2.5
+    assert "warm start" not in text
+    # a run that started from another PSM (init_from) says so, with what that one saw
+    (tmp_path / "n8").mkdir()
+    (tmp_path / "n8" / "psm.json").write_text(json.dumps(dict(anchors=[0, 3, 10, 22, 29], plan=[3, 3, 4, 4, 4, 4, 4, 4],
+                                                              trained=dict(positions=732018))))
+    meta = json.loads((run / "run.json").read_text())
+    meta["config"]["init_from"] = "n8"
+    (run / "run.json").write_text(json.dumps(meta))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert ("- warm start: the weights of `n8`, a PSM for n = 8 (plan [3, 3, 4, 4, 4, 4, 4, 4], anchors "
+            "[0, 3, 10, 22, 29]), trained on 732,018 response positions of its own") in text
 
 
 def test_card_without_rows_of_its_drafter(tmp_path, capsys):

@@ -128,6 +128,19 @@ def _data_line(tc, note: str = "") -> str:
     return f"- data: {what}{note}; never MT-Bench, GSM8K test or HumanEval prompts"
 
 
+def _warm_start_line(tc) -> list[str]:
+    """What the run started from (init_from): its positions are not among this run's."""
+    if not tc.init_from:
+        return []
+    meta = Path(tc.init_from) / "psm.json"
+    was = json.loads(meta.read_text()) if meta.is_file() else {}
+    seen = was.get("trained", {}).get("positions")
+    what = (f"a PSM for n = {len(was['plan'])} (plan {was['plan']}, anchors {was['anchors']}), trained on "
+            f"{seen:,} response positions of its own" if was and seen is not None else "an exported drafter")
+    return [f"- warm start: the weights of `{tc.init_from}`, {what}; a new optimiser state (the positions and "
+            "steps below are this run's only)"]
+
+
 def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float,
                   setup: dict | None = None, drafter: str = "DRAFTER") -> str:
     """table: `infer.evaluate.pooled` over this PSM's rows (`drafter_rows`), setup their setup; an empty
@@ -151,7 +164,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *_training_commands(run), "```", "",
-        _data_line(tc),
+        _data_line(tc), *_warm_start_line(tc),
         f"- objective: KL(teacher || PSM) at tau = {tc.tau:g} with the exact train/inference row layout and a "
         f"simulated pipeline fill; AdamW lr {tc.lr:g}, warm-up {tc.warmup}, batch {tc.batch_size} sequences"
         f"{f' x {tc.grad_accum} accumulated' if tc.grad_accum > 1 else ''}, clip {tc.clip:g}",
