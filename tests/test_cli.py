@@ -77,19 +77,21 @@ def test_prompt_file_reads_plain_and_jsonl(tmp_path):
 
 
 @pytest.mark.real_model
-def test_default_model_spd_on_8_devices_equals_ar(smollm2):
-    """The user's main command: python -m infer.generate --mode spd --n 8 (8 CPU devices set up by the CLI)."""
+@pytest.mark.parametrize("n, plan", [(8, [3, 3, 4, 4, 4, 4, 4, 4]), (4, [7, 7, 8, 8])])
+def test_default_model_spd_equals_ar(smollm2, n, plan):
+    """The user's main command: python -m infer.generate --mode spd --n 8 (8 CPU devices set up by the CLI),
+    and --n 4; each with the PSM shipped for that n."""
     args = ("--prompt", "Name three primary colors.", "--max-new-tokens", "40", "--json")
-    spd = json.loads(run_cli("--mode", "spd", "--n", "8", *args).stdout.strip().splitlines()[-1])
+    spd = json.loads(run_cli("--mode", "spd", "--n", str(n), *args).stdout.strip().splitlines()[-1])
     prompt_ids = smollm2.encode("Name three primary colors.")  # the chat template applied, as the CLI does
     assert spd["prompt_ids"] == prompt_ids
     ar_ids = spd_jax.generate(smollm2, prompt_ids, 40).token_ids  # AR in process: a subprocess costs ~10 s
     ar = dict(token_ids=ar_ids, text=smollm2.decode(ar_ids))
     assert spd["token_ids"] == ar["token_ids"] and spd["text"] == ar["text"]
     s = spd["stats"]
-    assert s["n"] == 8 and s["stage_layers"] == [3, 3, 4, 4, 4, 4, 4, 4]
-    shipped = shipped_psm("smollm2-135m-instruct", 8)  # the trained PSM by default, once one ships
-    assert s["psm"] == (str(shipped) if shipped else "random")
+    assert s["n"] == n and s["stage_layers"] == plan
+    shipped = shipped_psm("smollm2-135m-instruct", n)  # the trained PSM by default
+    assert shipped is not None and s["psm"] == str(shipped)
     assert s["tokens"] == len(ar["token_ids"]) and s["cycles"] >= s["tokens"] and 0 < s["alpha"] <= 1
 
 
