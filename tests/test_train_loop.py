@@ -4,6 +4,7 @@ truncated file is read to its last whole record; the EAGLE-3 method through the 
 falls, its quick eval and export work, a run is not resumed as the other method); and the CLI end to
 end on the real model."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -202,9 +203,9 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     v = loop.join_params(state["params"], frozen)
     save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,
              extra=dict(head="shared"))
-    trained = {k: x for k, x in state["params"].items()}
+    trained = state["params"]
     for n in (4, 2):  # n = 2: another plan, so another staircase; the shapes are the same
-        tc2 = loop.TrainConfig(**{**tc.__dict__, "n": n, "init_from": str(tmp_path / "psm")})
+        tc2 = dataclasses.replace(tc, n=n, init_from=str(tmp_path / "psm"))
         spec2 = PSMConfig.for_target(llama.config, pipelined.plan_for(llama, n).counts, tc2.psm_layers)
         assert (spec2.plan == spec.plan) == (n == 4)
         with caplog.at_level("WARNING", logger="train.loop"):
@@ -217,9 +218,9 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     fresh, _ = loop.init_state(llama, spec, tc, opt)
     assert not np.array_equal(fresh["params"]["proj_0"]["kernel"], trained["proj_0"]["kernel"])
     with pytest.raises(ValueError, match="has 2 PSM layers, this run 1; set psm_layers=2"):
-        tc1 = loop.TrainConfig(**{**tc.__dict__, "psm_layers": 1, "init_from": str(tmp_path / "psm")})
+        tc1 = dataclasses.replace(tc, psm_layers=1, init_from=str(tmp_path / "psm"))
         loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 1), tc1, opt)
-    tc3 = loop.TrainConfig(**{**tc.__dict__, "init_from": str(tmp_path / "psm")})
+    tc3 = dataclasses.replace(tc, init_from=str(tmp_path / "psm"))
     with pytest.raises(ValueError, match=r"reads 5 anchors \[0, 2, 4, 6, 7\], this run 3"):
         loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 2, anchors=(0, 4, 7)), tc3, opt)
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
