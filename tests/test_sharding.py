@@ -119,6 +119,25 @@ def test_stage_rules_put_each_stage_on_its_own_device(tiny_ckpt, model_type):
                         np.testing.assert_array_equal(got, full[kind_pos[kind][layer]])
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_spd_places_one_target_head_for_the_psm_and_the_verification(tiny_ckpt, tie):
+    """A PSM without a draft vocabulary reads the target's head: the stage mesh holds one copy of it per
+    device (the shared weights'), not a second one for the PSM; a new placement drops the old PSM's."""
+    from spd_jax.models import decoder
+
+    path, _ = tiny_ckpt("llama", tie)
+    model = spd_jax.load_model(path)
+    ref = spd_jax.generate(model, PROMPT, 12, stop_at_eos=False).token_ids
+    for n in (2, 4):
+        assert spd_jax.generate(model, PROMPT, 12, stop_at_eos=False, method="spd", n=n,
+                                spec="random").token_ids == ref
+        ((key, (_, _, shared)),) = [(k, v) for k, v in model.runtime.items() if k[0] == "stage_weights"]
+        ((pkey, placed),) = [(k, v) for k, v in model.runtime.items() if k[0] == "psm_on_mesh"]
+        assert pkey[-1] == key[1]  # placed for this layout
+        head = decoder.lm_head(shared, model.config)
+        assert placed["params"]["lm_head"] is head and len(head.sharding.device_set) == n
+
+
 def test_placement_is_hashable_and_pins_caches(tiny_ckpt):
     path, _ = tiny_ckpt("llama", False)
     cfg = spd_jax.load_model(path).config
