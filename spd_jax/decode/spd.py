@@ -7,7 +7,8 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
 - embedding, final norm and LM head are replicated (stage 0 embeds); the heads are computed
   vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
   broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary (the head
-  weights stay replicated; each stage reads its rows);
+  weights stay replicated; each stage reads its rows; a PSM without a draft vocabulary reads the same
+  placed copy of the target's head, `pipelined.place_psm`);
 - the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`; the last when None; the
   host's default, placement "auto", is the stage whose placement gives the shortest predicted cycle,
   busiest device + collectives, `pipeline.costs.best_psm_device`) or a device of its own (n + 1
