@@ -88,7 +88,28 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert ("- warm start: the weights of `n8`, a PSM for n = 8 (plan [3, 3, 4, 4, 4, 4, 4, 4], anchors "
-            "[0, 3, 10, 22, 29]), trained on 732,018 response positions of its own") in text
+            "[0, 3, 10, 22, 29]), trained on 732,018 response positions of its own; a new optimiser state (the "
+            "positions and steps below are this run's only); 734,018 response positions in all") in text
+    # what the export recorded at the run's start wins over what the directory holds now (a PSM trained
+    # on in its place), and a chain of warm starts is summed
+    from train.loop import warm_start_record
+
+    meta = json.loads((psm / "psm.json").read_text())
+    meta["trained"]["warm_start"] = warm_start_record(tmp_path / "n8")
+    (psm / "psm.json").write_text(json.dumps(meta))
+    (tmp_path / "n8" / "psm.json").write_text(json.dumps(dict(
+        anchors=[0, 3, 10, 22, 29], plan=[3, 3, 4, 4, 4, 4, 4, 4],
+        trained=dict(positions=900000, warm_start=dict(path="older", positions=100)))))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert "trained on 732,018 response positions of its own;" in text and "900,000" not in text
+    meta["trained"]["warm_start"] = warm_start_record(tmp_path / "n8")
+    assert meta["trained"]["warm_start"]["warm_start"] == dict(path="older", positions=100)
+    (psm / "psm.json").write_text(json.dumps(meta))
+    assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    text = (psm / "CARD.md").read_text()
+    assert ("trained on 900,000 response positions of its own after a warm start of its own (100 positions "
+            "before it)") in text and "902,100 response positions in all" in text
 
 
 def test_card_without_rows_of_its_drafter(tmp_path, capsys):

@@ -94,3 +94,11 @@ def test_cli_absent_coordinator(tmp_path):
                         str(tmp_path / "run"), "--coordinator", "127.0.0.1:9", "--num-processes", "2",
                         "--process-id", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     _fails(r, "no coordinator answers at 127.0.0.1:9")
+
+
+def test_cli_missing_init_from(tiny_ckpt, tmp_path):
+    """A warm start from a directory that holds no exported drafter fails before the run is recorded."""
+    path, _ = tiny_ckpt("llama", False)
+    _fails(_cli("--config", CONFIG, "--out", str(tmp_path / "run"), f"model={path}", "n=2",
+                f"init_from={tmp_path / 'nope'}"), "no psm.json or eagle3.json there")
+    assert not (tmp_path / "run" / "run.json").exists()

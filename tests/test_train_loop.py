@@ -226,6 +226,16 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PSMCheckpointError, match="another model"):
         loop.init_state(other, PSMConfig.for_target(other.config, spec.plan, 2), tc3, opt)
+    # the warm-started run's export records what init_from held when the run started
+    from train import main as train_main
+
+    rec = loop.warm_start_record(tmp_path / "psm")
+    assert rec == dict(path=str(tmp_path / "psm"), plan=list(spec.plan), anchors=list(spec.anchors))
+    warm, frozen = loop.init_state(llama, spec, tc3, opt)
+    train_main._export(tmp_path / "psm2", loop.join_params(warm["params"], frozen), spec, tc3, {}, "1x1", 0, 0, 0.0,
+                       rec)
+    assert json.loads((tmp_path / "psm2" / "psm.json").read_text())["trained"]["warm_start"] == rec
+    assert loop.warm_start_record(tmp_path / "psm2")["warm_start"] == rec  # a chain stays whole
 
 
 def test_eagle3_trains_through_the_same_step(llama, tmp_path):

@@ -128,17 +128,35 @@ def _data_line(tc, note: str = "") -> str:
     return f"- data: {what}{note}; never MT-Bench, GSM8K test or HumanEval prompts"
 
 
-def _warm_start_line(tc) -> list[str]:
-    """What the run started from (init_from): its positions are not among this run's."""
+def _warm_start_line(run: dict, trained: dict) -> list[str]:
+    """What the run started from (init_from): its positions are not among this run's. From the record the
+    export or the run kept (`loop.warm_start_record`); a run from before the record: init_from's
+    directory as it is now."""
+    tc = _train_config(run)
     if not tc.init_from:
         return []
-    meta = Path(tc.init_from) / "psm.json"
-    was = json.loads(meta.read_text()) if meta.is_file() else {}
-    seen = was.get("trained", {}).get("positions")
-    what = (f"a PSM for n = {len(was['plan'])} (plan {was['plan']}, anchors {was['anchors']}), trained on "
-            f"{seen:,} response positions of its own" if was and seen is not None else "an exported drafter")
-    return [f"- warm start: the weights of `{tc.init_from}`, {what}; a new optimiser state (the positions and "
-            "steps below are this run's only)"]
+    was = trained.get("warm_start") or run.get("warm_start")
+    if not was:
+        from train.loop import warm_start_record
+
+        try:
+            was = warm_start_record(tc.init_from)
+        except FileNotFoundError:
+            was = dict(path=tc.init_from)
+    if "positions" in was and "plan" in was:
+        from train.loop import lineage_positions
+
+        earlier = lineage_positions(was.get("warm_start"))
+        what = (f"a PSM for n = {len(was['plan'])} (plan {was['plan']}, anchors {was['anchors']}), trained on "
+                f"{was['positions']:,} response positions of its own"
+                + (f" after a warm start of its own ({earlier:,} positions before it)" if earlier else ""))
+        seen = trained.get("positions")
+        total = (f"; {seen + lineage_positions(was):,} response positions in all, with this run's"
+                 if seen is not None else "")
+    else:
+        what, total = "an exported drafter", ""
+    return [f"- warm start: the weights of `{was['path']}`, {what}; a new optimiser state (the positions and "
+            f"steps below are this run's only){total}"]
 
 
 def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float,
@@ -164,7 +182,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *_training_commands(run), "```", "",
-        _data_line(tc), *_warm_start_line(tc),
+        _data_line(tc), *_warm_start_line(run, trained),
         f"- objective: KL(teacher || PSM) at tau = {tc.tau:g} with the exact train/inference row layout and a "
         f"simulated pipeline fill; AdamW lr {tc.lr:g}, warm-up {tc.warmup}, batch {tc.batch_size} sequences"
         f"{f' x {tc.grad_accum} accumulated' if tc.grad_accum > 1 else ''}, clip {tc.clip:g}",

@@ -465,6 +465,35 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None) -> tuple
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen
 
 
+def warm_start_record(init_from: str | Path) -> dict[str, Any]:
+    """What init_from held when a run started from it: its path and its exported drafter's training
+    facts (method, steps, positions; a PSM's plan and anchors; its own warm start, so a chain of warm
+    starts stays whole). Runs and their exports keep this record rather than re-read the directory,
+    which may later hold another drafter (a longer-trained PSM shipped in its place)."""
+    path = Path(init_from)
+    meta_file = next((path / f for f in ("psm.json", "eagle3.json") if (path / f).is_file()), None)
+    if meta_file is None:
+        raise FileNotFoundError(f"init_from {init_from}: no psm.json or eagle3.json there (give a directory "
+                                "train.main exported, e.g. runs/NAME/psm or spd_jax/psms/...)")
+    meta = json.loads(meta_file.read_text())
+    trained = meta.get("trained", {})
+    rec: dict[str, Any] = dict(path=str(init_from),
+                               **{k: trained[k] for k in ("method", "steps", "positions") if k in trained})
+    rec.update({k: meta[k] for k in ("plan", "anchors") if k in meta})
+    if "warm_start" in trained:
+        rec["warm_start"] = trained["warm_start"]
+    return rec
+
+
+def lineage_positions(warm_start: dict | None) -> int:
+    """Training positions of a warm-start chain (`warm_start_record`), summed down the chain."""
+    total = 0
+    while warm_start:
+        total += int(warm_start.get("positions", 0))
+        warm_start = warm_start.get("warm_start")
+    return total
+
+
 # ---------------------------------------------------------------- checkpoints
 
 class Checkpoints:

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         return 2
     if args.export:
         _export(s.export_to, _variables(s.state, s.frozen), s.spec, s.tc, s.raw, s.recorded.get("mesh", "?"),
-                s.start, s.positions, s.wall0)
+                s.start, s.positions, s.wall0, s.warm_start)
         return 0
     _train(args, s)
     return 0
@@ -176,15 +176,20 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
                 loop.check_same_data(recorded_run["config"], tc)
         except ValueError as e:
             raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
+    run = json.loads((out / "run.json").read_text()) if args.resume or args.export else {}
+    # what init_from held at the run's start, kept with the run and its exports (the directory may change);
+    # a run recorded before the record existed gets today's contents of the directory
+    warm_start = run.get("warm_start") or (loop.warm_start_record(tc.init_from) if tc.init_from else None)
     if leader:
         out.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["python -m train.main", *argv])
-        run = json.loads((out / "run.json").read_text()) if args.resume or args.export else {}
         if args.export:  # an export trains nothing: the run's config and its training commands stay as they are
             run["exports"] = run.get("exports", []) + [cmd]
         else:
             run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count())
             run["commands"] = run.get("commands", []) + [cmd]
+            if warm_start:
+                run["warm_start"] = warm_start
         (out / "run.json").write_text(json.dumps(run, indent=1))
     if eagle:
         log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
@@ -239,7 +244,8 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
                  if args.export else None)
     return SimpleNamespace(raw=raw, out=out, recorded=recorded, tc=tc, eagle=eagle, leader=leader, mesh=mesh,
                            model=model, spec=spec, ckpts=ckpts, heldout=heldout, batches=batches, opt=opt, state=state,
-                           frozen=frozen, start=start, positions=positions, wall0=wall0, export_to=export_to)
+                           frozen=frozen, start=start, positions=positions, wall0=wall0, export_to=export_to,
+                           warm_start=warm_start)
 
 
 def _train(args, s: SimpleNamespace) -> None:
@@ -294,7 +300,7 @@ def _train(args, s: SimpleNamespace) -> None:
 
     final = out / loop.export_name(spec)
     _export(final, _variables(state, frozen), spec, tc, s.raw, args.mesh, tc.steps, positions,
-            s.wall0 + time.perf_counter() - t_start)
+            s.wall0 + time.perf_counter() - t_start, s.warm_start)
     if s.leader:
         loop.plot_curves(metrics_path, out / "curves.png")
 
@@ -311,8 +317,10 @@ def _export_step(value: str, ckpts, out: Path) -> int:
     return int(value)
 
 
-def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, positions: int, wall_s: float) -> None:
-    """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it."""
+def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, positions: int, wall_s: float,
+            warm_start: dict | None = None) -> None:
+    """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it
+    (and what it started from: `loop.warm_start_record`)."""
     import jax
     import jax.numpy as jnp
 
@@ -329,6 +337,8 @@ def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, p
                    backend=jax.default_backend(), config=raw)
     if tc.method == "eagle3":
         trained.update(ttt_steps=tc.ttt_steps)
+    if warm_start:
+        trained.update(warm_start=warm_start)
     loop.save_drafter(final, variables, spec, dict(trained=trained))
     if tc.method == "eagle3":
         log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
