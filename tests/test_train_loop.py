@@ -414,3 +414,7 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     r = subprocess.run(common + ["--resume", "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode != 0 and "is past --steps 2" in r.stderr and "--export STEP" in r.stderr
+    (out / "run.json").unlink()  # the run's identity and data order are gone: nothing to check a resume against
+    r = subprocess.run(common + ["--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 2 and "run.json not found beside the checkpoints" in r.stderr, r.stderr[-3000:]

@@ -169,14 +169,18 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
     if args.resume or args.export:
         if restore_step is None:
             raise FileNotFoundError(f"--{'resume' if args.resume else 'export'}: no checkpoint in {out / 'ckpt'}")
+        if args.resume:
+            if not (out / "run.json").is_file():
+                raise FileNotFoundError(f"--resume: {out / 'run.json'} not found beside the checkpoints (it holds "
+                                        "the run's identity and data order): train a new run with another --out")
+            recorded = json.loads((out / "run.json").read_text())
         try:
-            recorded_run = json.loads((out / "run.json").read_text())
-            loop.check_resume(recorded_run["identity"], identity)
+            loop.check_resume(recorded["identity"], identity)
             if args.resume:
-                loop.check_same_data(recorded_run["config"], tc)
+                loop.check_same_data(recorded["config"], tc)
         except ValueError as e:
             raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
-    run = json.loads((out / "run.json").read_text()) if args.resume or args.export else {}
+    run = dict(recorded)  # what this command appends to run.json: {} for a new run
     # what init_from held at the run's start, kept with the run and its exports (the directory may change);
     # a run recorded before the record existed gets today's contents of the directory
     warm_start = run.get("warm_start") or (loop.warm_start_record(tc.init_from) if tc.init_from else None)
