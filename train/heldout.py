@@ -231,6 +231,8 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from train.loop import positions_axis
+
     out.mkdir(parents=True, exist_ok=True)
     diff = differences(runs)
     common, equal = at_equal_positions(rows)
@@ -263,6 +265,7 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
     ax[1].set(title="held-out top-1 agreement with the target", xlabel="training positions")
     for a in ax:
         a.grid(alpha=0.3)
+        positions_axis(a)
     ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "heldout.png", dpi=110)

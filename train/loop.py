@@ -633,6 +633,13 @@ def quick_eval(model, spec: Spec, variables: dict, prompts: list[np.ndarray], tc
     return dict(alpha=alpha, S0=alpha * sum(spec.plan) / max(spec.plan), eval_tokens=tokens, eval_cycles=cycles)
 
 
+def positions_axis(ax) -> None:
+    """Training positions on ax's x axis in thousands (full numbers overlap at the plots' widths)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e3:g}k"))
+
+
 def plot_curves(metrics_path: Path, png: Path) -> None:
     """Loss, agreement and the quick eval (S0, or an EAGLE-3 drafter's tokens per round) against
     training positions."""
@@ -660,6 +667,7 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
               else "S0 on held-out prompts (greedy)", xlabel="training positions")
     for a in ax:
         a.grid(alpha=0.3)
+        positions_axis(a)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
