@@ -634,10 +634,14 @@ def quick_eval(model, spec: Spec, variables: dict, prompts: list[np.ndarray], tc
 
 
 def positions_axis(ax) -> None:
-    """Training positions on ax's x axis in thousands (full numbers overlap at the plots' widths)."""
+    """Training positions on ax's x axis as 50k, 1.5M, 2B (full numbers overlap at the plots' widths)."""
     from matplotlib.ticker import FuncFormatter
 
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e3:g}k"))
+    def short(x, _):
+        scale, suffix = next(((s, u) for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "k")) if abs(x) >= s), (1, ""))
+        return f"{x / scale:g}{suffix}"
+
+    ax.xaxis.set_major_formatter(FuncFormatter(short))
 
 
 def plot_curves(metrics_path: Path, png: Path) -> None:
