@@ -152,6 +152,40 @@ def test_hand_written_sections_survive_and_evaluation_alone_is_rewritten(tmp_pat
     assert card.main(["--eval", str(ev), "--psm", str(tmp_path / "nothing")]) == 2  # no card to update
 
 
+def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
+    """Each PSM's greedy pooled S0 joins its directory's lineage.json by its chain's positions; the card
+    shows the points of its evaluation's setup from the second on, and a broken file is refused untouched."""
+    run, ev, psm = _psm_run(tmp_path)
+    args = ["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]
+    _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("ar", 1, cycles=10, depth_ratio=1.0))
+    assert card.main(args) == 0
+    points = json.loads((psm / card.LINEAGE).read_text())
+    assert [(p["positions"], p["S0"], p["run"]) for p in points] == [(3000, 3.75, "c.yaml, 3 steps")]
+    assert "### S0 against training positions" not in (psm / "CARD.md").read_text()  # one point: no plot
+    # trained on from that PSM (its record in psm.json), exported over it, evaluated: a second point
+    meta = json.loads((psm / "psm.json").read_text())
+    meta["trained"].update(steps=2, positions=2000, warm_start=dict(path=str(psm), positions=3000))
+    (psm / "psm.json").write_text(json.dumps(meta))
+    _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=10) + _res("ar", 1, cycles=10, depth_ratio=1.0))
+    for _ in range(2):  # evaluated again: the same point, not a third
+        assert card.main(args) == 0
+    points = json.loads((psm / card.LINEAGE).read_text())
+    assert [(p["positions"], p["S0"]) for p in points] == [(3000, 3.75), (5000, 7.5)]
+    text = (psm / "CARD.md").read_text()
+    assert "| 3,000 | c.yaml, 3 steps | 0.500 | 3.75 |\n| 5,000 | c.yaml, 2 steps | 1.000 | 7.50 |" in text
+    assert "![S0 against training positions](lineage.png)" in text and (psm / "lineage.png").stat().st_size > 0
+    # only T = 0 rows make a point; another setup's point is kept but not drawn beside these
+    _write_rows(ev, _res("spd", 8, psm=str(psm), temperature=1.0) + _res("ar", 1, depth_ratio=1.0, temperature=1.0))
+    assert card.main(args) == 0 and len(json.loads((psm / card.LINEAGE).read_text())) == 2
+    _write_rows(ev, _res("spd", 8, psm=str(psm), max_new_tokens=64) + _res("ar", 1, depth_ratio=1.0, max_new_tokens=64))
+    assert card.main(["--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
+    assert len(json.loads((psm / card.LINEAGE).read_text())) == 3
+    assert "### S0 against training positions" not in (psm / "CARD.md").read_text()
+    (psm / card.LINEAGE).write_text("[{")
+    assert card.main(args) == 2 and "lineage.json is not valid JSON" in capsys.readouterr().err
+    assert (psm / card.LINEAGE).read_text() == "[{"
+
+
 def test_merge_card_edge_cases():
     # no Evaluation section yet: it goes after Training, before the hand-written one
     old = "# T\n\nintro\n\n## Training\n\nx\n\n## Status\n\nhand\n"

@@ -6,7 +6,10 @@
 Reads RUN/run.json (identity, config, the commands that trained it), RUN/metrics.jsonl (loss,
 agreement, quick-eval S0 or tokens per round against training positions), the exported drafter's
 psm.json or eagle3.json and EVAL/results.jsonl (`infer.evaluate` rows), and writes DRAFTER/CARD.md and
-DRAFTER/curves.png (the learning curves). Every figure in the card comes from those files.
+DRAFTER/curves.png (the learning curves). Every figure in the card comes from those files. A PSM's
+greedy pooled S0 also goes into DRAFTER/lineage.json, which outlives the weights (a PSM trained on from
+them is exported over them): the card plots S0 against training positions across the PSMs the directory
+has held (DRAFTER/lineage.png).
 
 Sections of an existing CARD.md the card does not write (hand-written ones, e.g. "## Status and limits")
 are kept. Without --run only the existing card's Evaluation section is rewritten (a drafter whose run
@@ -160,9 +163,9 @@ def _warm_start_line(run: dict, trained: dict) -> list[str]:
 
 
 def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float,
-                  setup: dict | None = None, drafter: str = "DRAFTER") -> str:
+                  setup: dict | None = None, drafter: str = "DRAFTER", lineage: list[dict] | None = None) -> str:
     """table: `infer.evaluate.pooled` over this PSM's rows (`drafter_rows`), setup their setup; an empty
-    table: the card says the evaluation holds none."""
+    table: the card says the evaluation holds none. lineage: `update_lineage`'s points."""
     spec, trained = psm, psm.get("trained", {})
     tc = _train_config(run)
     metrics = _up_to(metrics, trained)
@@ -193,11 +196,13 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
         "", "![learning curves](curves.png)", "",
     ]
-    return "\n".join(lines + psm_evaluation(table, eval_cmd, setup, len(spec["plan"]), drafter))
+    return "\n".join(lines + psm_evaluation(table, eval_cmd, setup, len(spec["plan"]), drafter, lineage))
 
 
-def psm_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, n: int, drafter: str) -> list[str]:
-    """The card's "## Evaluation" section (lines) from this PSM's pooled rows."""
+def psm_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, n: int, drafter: str,
+                   lineage: list[dict] | None = None) -> list[str]:
+    """The card's "## Evaluation" section (lines) from this PSM's pooled rows, ending with its directory's
+    lineage (`update_lineage`: the points of this evaluation's setup) when it has more than this PSM."""
     lines = ["## Evaluation", ""]
     if not table:
         return lines + _no_rows(f"`spd` row of this PSM at n = {n}",
@@ -221,7 +226,94 @@ def psm_evaluation(table: list[dict], eval_cmd: str, setup: dict | None, n: int,
              "another), so tok/s and the ratio are not a projection for real devices; S0 is" if backend == "cpu" else
              f"one {backend} device per stage; S0 is the device-independent figure")
     lines += ["", f"tok/s and the ratio to `ar` are measured on the evaluation's {backend} backend: {where}.", ""]
-    return lines
+    return lines + lineage_lines(lineage or [])
+
+
+# ---------------------------------------------------------------- lineage: S0 across warm starts
+
+LINEAGE = "lineage.json"  # in a PSM directory: the greedy S0 of each PSM it has held, kept by train.card
+SAME_SETUP = ("model", "benches", "prompts", "max_new_tokens")  # what makes two lineage points comparable
+
+
+def lineage_point(table: list[dict], setup: dict | None, psm: dict, run: dict | None) -> dict | None:
+    """This PSM's lineage point: its pooled greedy (T = 0) S0 over every evaluated benchmark against the
+    training positions of its whole warm-start chain (`loop.lineage_positions`). None without a T = 0
+    `spd` row or a record of its training positions."""
+    from train.loop import lineage_positions
+
+    trained = psm.get("trained", {})
+    spd = [t for t in table if t["method"] == "spd" and t["temperature"] == 0]
+    pooled_all = next((t for t in spd if t["bench"] == "all"), None)
+    if pooled_all is None or "positions" not in trained:
+        return None
+    config = next((c.split("--config", 1)[1].split()[0] for c in (run or {}).get("commands", []) if "--config" in c),
+                  None)
+    label = f"{config}, {trained.get('steps', '?')} steps" if config else f"{trained.get('steps', '?')} steps"
+    return dict(positions=int(trained["positions"]) + lineage_positions(trained.get("warm_start")),
+                S0=round(pooled_all["S0"], 4), alpha=round(pooled_all["alpha"], 4), tokens=pooled_all["tokens"],
+                cycles=pooled_all["cycles"], prompts=pooled_all["prompts"],
+                benches=sorted(t["bench"] for t in spd if t["bench"] != "all"),
+                max_new_tokens=setup["max_new_tokens"], model=setup["model"], run=label)
+
+
+def update_lineage(psm_dir: Path, point: dict) -> list[dict]:
+    """PSM_DIR/lineage.json with `point` in it (replacing one of the same setup and positions: the same
+    PSM evaluated again), written atomically -> its points of point's setup, by positions. The file
+    outlives the weights: a PSM trained on from this directory's is exported over it, and its point
+    joins its predecessors'."""
+    path = psm_dir / LINEAGE
+    try:
+        points = json.loads(path.read_text()) if path.is_file() else []
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): fix or remove it (train.card rebuilds it from this "
+                         "PSM's evaluation on)") from None
+    key = lambda p: tuple(p.get(k) for k in SAME_SETUP)  # noqa: E731
+    points = [p for p in points if (key(p), p.get("positions")) != (key(point), point["positions"])] + [point]
+    points.sort(key=lambda p: (repr(key(p)), p["positions"]))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(points, indent=1) + "\n")
+    tmp.replace(path)
+    return [p for p in points if key(p) == key(point)]
+
+
+def lineage_lines(points: list[dict]) -> list[str]:
+    """The card's lineage table and plot (lines); none for fewer than two points."""
+    if len(points) < 2:
+        return []
+    p0 = points[0]
+    return [
+        "### S0 against training positions", "",
+        f"Each PSM this directory has held (every one trained on from the one before, except where the run says "
+        f"otherwise), by the training positions of its whole warm-start chain: pooled greedy S0 on the same "
+        f"{p0['prompts']} prompts ({', '.join(p0['benches'])}; max_new_tokens {p0['max_new_tokens']}). From "
+        f"`{LINEAGE}` beside the weights, which `train.card` keeps.", "",
+        "| positions in all | run | alpha | S0 |", "|---|---|---|---|",
+        *[f"| {p['positions']:,} | {p['run']} | {p['alpha']:.3f} | {p['S0']:.2f} |" for p in points],
+        "", "![S0 against training positions](lineage.png)", ""]
+
+
+def plot_lineage(points: list[dict], png: Path) -> None:
+    """S0 against training positions (log scale) for the lineage's points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from train.loop import positions_axis
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    pos, s0 = [p["positions"] for p in points], [p["S0"] for p in points]
+    ax.plot(pos, s0, "o-")
+    ax.margins(y=0.15)  # room for the labels above the points
+    for x, y in zip(pos, s0):
+        ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set(xscale="log", xlabel="training positions, whole warm-start chain", ylabel="S0 (greedy, pooled)",
+           title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
+    positions_axis(ax)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list[dict], eval_cmd: str,
@@ -364,14 +456,21 @@ def main(argv=None) -> int:
         if not mine:
             print(f"warning: {eval_dir / 'results.jsonl'} holds no row of {psm_dir}: the card says so",
                   file=sys.stderr)
+        run = json.loads((run_dir / "run.json").read_text()) if run_dir else None
+        table, lineage = pooled(mine), None
+        point = None if eagle else lineage_point(table, setup, psm, run)
+        if point is not None:
+            lineage = update_lineage(psm_dir, point)
+            if len(lineage) > 1:
+                plot_lineage(lineage, psm_dir / "lineage.png")
         if run_dir:
-            run = json.loads((run_dir / "run.json").read_text())
             metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            new = write(run, metrics, psm, pooled(mine), eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm)
+            extra = {} if eagle else dict(lineage=lineage)
+            new = write(run, metrics, psm, table, eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm, **extra)
         elif eagle:
-            new = "\n".join(eagle3_evaluation(pooled(mine), eval_cmd, setup, 3, args.psm))
+            new = "\n".join(eagle3_evaluation(table, eval_cmd, setup, 3, args.psm))
         else:
-            new = "\n".join(psm_evaluation(pooled(mine), eval_cmd, setup, len(psm["plan"]), args.psm))
+            new = "\n".join(psm_evaluation(table, eval_cmd, setup, len(psm["plan"]), args.psm, lineage))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

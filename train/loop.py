@@ -642,6 +642,7 @@ def positions_axis(ax) -> None:
         return f"{x / scale:g}{suffix}"
 
     ax.xaxis.set_major_formatter(FuncFormatter(short))
+    ax.xaxis.set_minor_formatter(FuncFormatter(short))  # a log axis within one decade labels only minor ticks
 
 
 def plot_curves(metrics_path: Path, png: Path) -> None:
