@@ -59,6 +59,7 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     text = (psm / "CARD.md").read_text()
     assert "n = 8" in text and "python -m train.main --config c.yaml\n```" in text and "EVAL" in text
     assert "--export" not in text  # exports trained nothing: not among the training commands
+    assert "- data: sharegpt (chat template," in text  # all of it: no limit
     assert "response positions seen **3,000**" in text and "2.00 h of wall clock" in text and "1.0 MB" in text
     assert "median 30.0 s per step" in text
     # from the TrainConfig: tau from the config, lr parsed, clip's default where the config has none
@@ -184,6 +185,14 @@ def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
     (psm / card.LINEAGE).write_text("[{")
     assert card.main(args) == 2 and "lineage.json is not valid JSON" in capsys.readouterr().err
     assert (psm / card.LINEAGE).read_text() == "[{"
+
+
+def test_data_line_names_a_limited_corpus_and_self_distilled_replies():
+    from train.loop import TrainConfig
+
+    line = card._data_line(TrainConfig(sources=("sharegpt", "gsm8k"), limit=400, responses="target"))
+    assert line.startswith("- data: the first user turns of sharegpt, gsm8k (the first 400 conversations of each) "
+                           "answered by the target itself")
 
 
 def test_merge_card_edge_cases():

@@ -121,7 +121,7 @@ TEMPERATURES = ("T = 0 is greedy; T = 1 samples at temperature 1 with top-k 50 a
 
 
 def _data_line(tc, note: str = "") -> str:
-    sources = ", ".join(tc.sources)
+    sources = ", ".join(tc.sources) + (f" (the first {tc.limit:,} conversations of each)" if tc.limit else "")
     if tc.responses == "target":
         what = (f"the first user turns of {sources} answered by the target itself (self-distillation: greedy, up "
                 f"to {tc.max_len} tokens in all; train/distill.py), loss on the target's reply tokens")
