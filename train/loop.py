@@ -642,7 +642,11 @@ def positions_axis(ax) -> None:
         return f"{x / scale:g}{suffix}"
 
     ax.xaxis.set_major_formatter(FuncFormatter(short))
-    ax.xaxis.set_minor_formatter(FuncFormatter(short))  # a log axis within one decade labels only minor ticks
+    if ax.get_xscale() == "log":  # within one decade only minor ticks fall in range: label a few of them
+        from matplotlib.ticker import LogLocator
+
+        ax.xaxis.set_minor_locator(LogLocator(subs=(2, 3, 5)))
+        ax.xaxis.set_minor_formatter(FuncFormatter(short))
 
 
 def plot_curves(metrics_path: Path, png: Path) -> None:
