@@ -39,7 +39,7 @@ from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, psm_axes, sample_fill
+from spd_jax.drafters.psm import PSM, PSMConfig, init_psm, psm_axes, sample_fill, teacher_states
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +309,11 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     a response token); keys [B]: one per sequence, so the simulated fill of a sequence does not depend
     on how the batch is split over devices."""
     tokens, mask = batch["tokens"], batch["mask"]
-    B, T = tokens.shape
+    T = tokens.shape[1]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                              join_params(trainable, frozen))
-    cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
-    emb = decoder.embed(target, tokens)
-    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
-    h = jax.lax.stop_gradient(anchor_states(emb, hidden, spec.anchors))
+    h, x = jax.lax.stop_gradient(teacher_states(target, tokens, cfg, spec.anchors))
     teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
     fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n))(keys)
     student = PSM(cfg, spec).apply(variables, h, fill, target["final_norm"], method=PSM.train_logits)  # [B, T, V']

@@ -131,6 +131,37 @@ def anchor_states(emb: jax.Array, hidden: jax.Array, anchors: Sequence[int]) -> 
     return jnp.stack([emb if b == 0 else hidden[b - 1] for b in anchors], axis=2)
 
 
+def teacher_states(target: dict, tokens: jax.Array, cfg: ModelConfig, anchors: Sequence[int]):
+    """The frozen target teacher-forced on tokens [B, T] -> (anchor states [B, T, m, H], the last layer's
+    output [B, T, H], before the final norm): what a PSM reads and what its teacher's logits come from."""
+    B, T = tokens.shape
+    cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
+    emb = decoder.embed(target, tokens)
+    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    return anchor_states(emb, hidden, anchors), x
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def drafts_by_fill(cfg: ModelConfig, spec: "PSMConfig", variables: dict, target: dict, tokens: jax.Array,
+                   at: jax.Array | None = None):
+    """tokens [B, T] -> (the target's greedy next token [B, R] at positions at [B, R] (default: all T),
+    the PSM's greedy drafts [B, R, n] for position t + 1 made with newest token t at fill k = 1..n),
+    teacher-forced: on the target's own greedy continuation these are the drafts the engine verifies
+    (`decode.schedule`). Only the positions asked for pay for the heads."""
+    h, x = teacher_states(target, tokens, cfg, spec.anchors)
+    at = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if at is None else at
+    pick = lambda a: jnp.take_along_axis(a, at[..., None], axis=1)  # noqa: E731  [B, T, H] -> [B, R, H]
+    nxt = jnp.argmax(decoder.lm_logits(target, pick(x), cfg), -1)
+    psm = PSM(cfg, spec)
+    ids = psm.apply(variables, method=PSM.token_ids)
+
+    def at_fill(k):
+        y = pick(psm.apply(variables, h, jnp.full(tokens.shape, k, jnp.int32), method=PSM.train_hidden))
+        return ids[jnp.argmax(psm.apply(variables, y, target["final_norm"], method=PSM.head_logits), -1)]
+
+    return nxt, jax.lax.map(at_fill, jnp.arange(1, spec.n + 1)).transpose(1, 2, 0)
+
+
 def _layer_schema(cfg: ModelConfig) -> dict:
     """One full-attention decoder layer of the target's kind: the target's own weight schema."""
     return schema.layer_schema(cfg, ATTENTION)
@@ -225,7 +256,11 @@ class PSM(nn.Module):
         """The training forward: h [B, T, m, H] teacher-forced anchor states, fill [B, T] in 1..n (how
         many tokens are in flight when position t is the newest) -> float32 head logits [B, T, V'],
         entry t being exactly the draft `draft_step` makes for t + 1 at that fill (`expand` maps a draft
-        vocabulary's V' logits to their token ids).
+        vocabulary's V' logits to their token ids)."""
+        return self.head_logits(self.train_hidden(h, fill), final_norm)
+
+    def train_hidden(self, h: jax.Array, fill: jax.Array) -> jax.Array:
+        """`train_logits` up to the head: -> the drafts' hidden states [B, T, H] before the final norm.
 
         Layout (exact for any Ls, SPD.md section 6): one shared causal chain of completed rows (deepest
         type) at every position, plus per query position t a group of n slots, slot j = the token at
@@ -278,7 +313,7 @@ class PSM(nn.Module):
                 o = jnp.einsum("btkgs,bskd->btkgd", p.astype(dt), v_c).reshape(B, T, cfg.q_size)
                 y = x_c + output_projection(lp, o, xn_c, cfg)
                 x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
-        return self.head_logits(x_g[:, :, 0], final_norm)
+        return x_g[:, :, 0]
 
     def __call__(self, h, types, cache, pos, final_norm):
         x, cache = self.forward(self.rows(h, types)[None], cache, pos)

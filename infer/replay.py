@@ -1,0 +1,250 @@
+"""python -m infer.replay: a PSM's exact greedy alpha and S0 on benchmark prompts without running the
+engine, and its acceptance by pipeline fill.
+
+    python -m infer.replay --from runs/eval [--psm DIR ...] [--n 8] [--model NAME] [--out DIR]
+
+Greedy SPD commits the target's own greedy continuation, and the drafts it verifies are the PSM's
+teacher-forced drafts on it at each (newest token, fill) (`spd_jax.decode.schedule`). So one teacher-forced
+pass per fill over the continuations `ar` produced in an `infer.evaluate` run (its rows at T = 0, with
+their token ids) gives, for each PSM given, what the engine would count: tokens, cycles, accepted and
+rejected drafts per prompt, pooled alpha and S0 as `infer.evaluate` pools them, in far less time than
+the cycle-by-cycle engine takes on a CPU host. Where the run also holds `spd` rows of the same PSM path
+and n, each prompt's replayed counts are checked against them (equal up to the float near-ties of two
+different computations of one draft; the PSM must not have changed since).
+
+It also reports, per fill k (tokens in flight when the draft is made), the teacher-forced agreement of
+the drafts with the target over every generated position, and which fills the engine verified: after
+each rejection the next verified draft was made at fill 1, so at a low acceptance those dominate.
+Writes DIR/replay.json, DIR/replay.md and DIR/replay.png (default DIR: the evaluate run's replay/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+BUCKET = 128  # sequences are padded to a multiple of this (few compiled shapes)
+ROWS = 32  # the generated positions scored per sequence are padded to a multiple of this
+BATCH = 4  # sequences per teacher-forced pass: its [B, T, n, T] attention scores must fit in memory
+
+
+def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], list[dict]]:
+    """An infer.evaluate run -> (model name, max_new_tokens, its `ar` rows at T = 0 with token ids, its
+    `spd` rows at T = 0 and depth n)."""
+    path = eval_dir / "results.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --from takes an infer.evaluate --out directory")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    ar = [r for r in rows if r["method"] == "ar" and r["temperature"] == 0 and r.get("token_ids") is not None]
+    if not ar:
+        raise ValueError(f"{path} holds no greedy `ar` rows with token ids: run infer.evaluate with --methods ar "
+                         "(and --temperature 0) into it first")
+    setups = {(r["model"], r["max_new_tokens"]) for r in ar}
+    if len(setups) > 1:
+        raise ValueError(f"{path} mixes models or lengths {sorted(setups)}: replay one setup per directory")
+    (model, max_new), = setups
+    spd = [r for r in rows if r["method"] == "spd" and r["temperature"] == 0 and r["n"] == n
+           and (r["model"], r["max_new_tokens"]) == (model, max_new)]
+    return model, max_new, ar, spd
+
+
+def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[int],
+                   show_progress: bool = True) -> list[np.ndarray]:
+    """Each sequence [S] -> right [S, n] bool: the draft for t + 1 made at fill k equals seq[t + 1], for
+    t >= its start (the prompt's last position: the engine drafts from the first generated token on;
+    earlier rows stay False)."""
+    import jax.numpy as jnp
+
+    from spd_jax.drafters.psm import drafts_by_fill
+    from spd_jax.progress import progress_bar
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[np.ndarray | None] = [None] * len(seqs)
+    bar = progress_bar(total=len(seqs), desc="teacher-forced drafts", unit="prompt", disable=not show_progress)
+    for a in range(0, len(order), BATCH):
+        idx = order[a:a + BATCH]
+        T = -(-max(len(seqs[i]) for i in idx) // BUCKET) * BUCKET
+        R = -(-max(len(seqs[i]) - starts[i] for i in idx) // ROWS) * ROWS
+        tokens = np.zeros((BATCH, T), np.int32)  # a short last batch is padded with empty rows: one shape
+        at = np.zeros((BATCH, R), np.int32)  # the positions whose drafts count: from each prompt's end
+        for j, i in enumerate(idx):
+            tokens[j, :len(seqs[i])] = seqs[i]
+            at[j] = np.minimum(starts[i] + np.arange(R), T - 1)
+        _, drafts = drafts_by_fill(model.config, spec, variables, model.params, jnp.asarray(tokens), jnp.asarray(at))
+        drafts = np.asarray(drafts)
+        for j, i in enumerate(idx):
+            s = np.asarray(seqs[i])
+            right = np.zeros((len(s), spec.n), bool)
+            m = len(s) - 1 - starts[i]  # drafts for positions starts[i] + 1 .. len(s) - 1
+            right[starts[i]:len(s) - 1] = drafts[j, :m] == s[starts[i] + 1:, None]
+            out[i] = right
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar: list[dict], max_new: int,
+               spd_rows: list[dict], show_progress: bool = True) -> dict:
+    """One PSM over the continuations -> its rows (one per prompt), pooled figures and agreement by fill."""
+    from spd_jax.decode import pipelined
+    from spd_jax.decode.schedule import replay_greedy
+
+    plan = pipelined.plan_for(model, n)
+    spec, variables, label = pipelined.resolve_psm(model, plan, psm_path, psm_layers=2)
+    if label == "random":
+        raise ValueError(f"no PSM to replay: none ships for {model.path.name} at n={n}; pass --psm DIR")
+    seqs = [list(p) + list(r["token_ids"]) for p, r in zip(prompts, ar)]
+    rights = teacher_forced(model, spec, variables, seqs, [len(p) for p in prompts], show_progress)
+    same = lambda a: a is not None and Path(a).resolve() == Path(label).resolve()  # noqa: E731
+    measured = {(r["bench"], r["prompt_index"]): r for r in spd_rows if same(r.get("psm"))}
+    rows, agree, count = [], np.zeros(n), 0
+    for p, r, seq, right in zip(prompts, ar, seqs, rights):
+        rep = replay_greedy(n, seq, len(p), right, max_new, model.eos_token_ids)
+        if rep.tokens != r["tokens"]:
+            raise ValueError(f"{r['bench']} prompt {r['prompt_index']}: the replay commits {rep.tokens} tokens, `ar` "
+                             f"{r['tokens']}: the continuation does not belong to this model and length")
+        row = dict(bench=r["bench"], prompt_index=r["prompt_index"], tokens=rep.tokens, cycles=rep.cycles,
+                   accepted=rep.accepted, rejected=rep.rejected, verified_fill=rep.verified_fill.tolist(),
+                   accepted_fill=rep.accepted_fill.tolist())
+        m = measured.get((r["bench"], r["prompt_index"]))
+        if m is not None:
+            row["engine"] = dict(cycles=m["cycles"], accepted=m["accepted"], rejected=m["rejected"])
+        rows.append(row)
+        gen = right[len(p):len(seq) - 1]  # drafts the engine can make: newest token a generated one
+        agree += gen.sum(0)
+        count += len(gen)
+    return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=pool(rows, model.config.num_layers, plan),
+                agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count)
+
+
+def pool(rows: list[dict], num_layers: int, plan) -> dict:
+    """Per benchmark and over all ("all"): alpha = sum(tokens) / sum(cycles), S0 = alpha L / max(stage
+    layers), accepted and rejected drafts, verified drafts by fill, engine agreement where measured."""
+    out = {}
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["bench"]].append(r)
+        groups["all"].append(r)
+    for bench, rs in groups.items():
+        tok, cyc = sum(r["tokens"] for r in rs), sum(r["cycles"] for r in rs)
+        checked = [r for r in rs if "engine" in r]
+        same = sum(all(r["engine"][k] == r[k] for k in ("cycles", "accepted", "rejected")) for r in checked)
+        out[bench] = dict(prompts=len(rs), tokens=tok, cycles=cyc, alpha=tok / cyc,
+                          S0=tok / cyc * num_layers / max(plan.counts),
+                          accepted=sum(r["accepted"] for r in rs), rejected=sum(r["rejected"] for r in rs),
+                          verified_fill=np.sum([r["verified_fill"] for r in rs], 0).tolist(),
+                          accepted_fill=np.sum([r["accepted_fill"] for r in rs], 0).tolist(),
+                          engine_checked=len(checked), engine_equal=same,
+                          engine_S0=(tok / sum(r["engine"]["cycles"] for r in checked) * num_layers / max(plan.counts)
+                                     if checked and len(checked) == len(rs) else None))
+    return out
+
+
+def _name(path: str) -> str:
+    """A PSM's short label: its directory and parent (runs/a/psm and runs/b/psm stay apart)."""
+    return "/".join(Path(path).parts[-2:])
+
+
+def markdown(results: list[dict], setup: dict) -> str:
+    n = results[0]["n"]
+    lines = [f"# Greedy SPD replayed: {setup['model']}, n = {n}, {setup['prompts']} prompts, "
+             f"{setup['max_new_tokens']} new tokens", "",
+             f"Continuations: `ar` rows of `{setup['from']}`. Exact greedy counts of the engine from teacher-forced "
+             "drafts (`python -m infer.replay`).", "",
+             "| PSM | bench | alpha | S0 | accepted | rejected | engine check |", "|---|---|---|---|---|---|---|"]
+    for res in results:
+        for bench, p in res["pooled"].items():
+            check = (f"{p['engine_equal']}/{p['engine_checked']} prompts equal" if p["engine_checked"] else "no spd rows")
+            if p["engine_S0"] is not None:
+                check += f", measured S0 {p['engine_S0']:.3f}"
+            lines.append(f"| {_name(res['psm'])} | {bench} | {p['alpha']:.3f} | {p['S0']:.3f} | {p['accepted']} | "
+                         f"{p['rejected']} | {check} |")
+    lines += ["", "Per fill k (tokens in flight when the draft is made): teacher-forced agreement over every generated "
+              "position, and the engine's verified drafts made at that fill (accepted / verified).", "",
+              "| PSM | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |", "|---|" + "---|" * n]
+    for res in results:
+        p = res["pooled"]["all"]
+        lines.append(f"| {_name(res['psm'])} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
+        lines.append(f"| {_name(res['psm'])} verified | " + " | ".join(
+            f"{a}/{v}" for a, v in zip(p["accepted_fill"], p["verified_fill"])) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = results[0]["n"]
+    k = np.arange(1, n + 1)
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(results)
+    for i, res in enumerate(results):
+        name = _name(res["psm"])
+        ax[0].plot(k, res["agreement_by_fill"], marker="o", label=name)
+        v = np.asarray(res["pooled"]["all"]["verified_fill"], float)
+        ax[1].bar(k + (i - (len(results) - 1) / 2) * width, v / max(v.sum(), 1), width, label=name)
+    ax[0].set(xlabel="fill k (tokens in flight at the draft)", ylabel="teacher-forced agreement",
+              title="draft agreement with the target by fill")
+    ax[1].set(xlabel="fill k", ylabel="share of verified drafts", title="which fills the engine verifies (greedy)")
+    for a in ax:
+        a.set_xticks(k)
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infer.replay", description=__doc__.split("\n")[0])
+    ap.add_argument("--from", dest="source", required=True, help="an infer.evaluate --out directory with ar rows at T=0")
+    ap.add_argument("--psm", action="append", default=None,
+                    help="PSM checkpoint directory (repeat to compare; default: the one shipped for the model and n)")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--model", default=None, help="the model name or checkpoint path (default: the run's model)")
+    ap.add_argument("--out", default=None, help="output directory (default: FROM/replay)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from infer.evaluate import read_benchmark
+
+    source = Path(args.source)
+    try:
+        model_name, max_new, ar, spd_rows = read_continuations(source, args.n)
+        benches = {}
+        for b in sorted({r["bench"] for r in ar}):
+            benches[b] = read_benchmark(b, 1 + max(r["prompt_index"] for r in ar if r["bench"] == b))
+        import spd_jax
+
+        model = spd_jax.load_model(args.model or model_name)
+        prompts = []
+        for r in ar:
+            p = benches[r["bench"]][r["prompt_index"]]
+            prompts.append(list(p["ids"]) if "ids" in p else list(model.encode(p["text"])))
+            if len(prompts[-1]) != r["prompt_tokens"]:
+                raise ValueError(f"{r['bench']} prompt {r['prompt_index']} encodes to {len(prompts[-1])} tokens, the run's "
+                                 f"row says {r['prompt_tokens']}: the benchmark file or tokenizer changed since")
+        results = [replay_psm(model, p, args.n, prompts, ar, max_new, spd_rows) for p in (args.psm or [None])]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else source / "replay"
+    out.mkdir(parents=True, exist_ok=True)
+    setup = {"model": model_name, "max_new_tokens": max_new, "prompts": len(ar), "from": str(source)}
+    (out / "replay.json").write_text(json.dumps(dict(setup=setup, results=results), indent=1) + "\n")
+    text = markdown(results, setup)
+    (out / "replay.md").write_text(text)
+    plot(results, out / "replay.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
