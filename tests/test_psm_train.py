@@ -17,7 +17,7 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
-from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, init_psm, row_types, sample_fill
+from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, fill_weights, init_psm, row_types, sample_fill
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
 T = 20
@@ -135,3 +135,34 @@ def test_sample_fill_distribution(n):
     assert abs((k == n).mean() - 0.5) < 0.02
     for j in range(1, n):
         assert abs((k == j).mean() - 0.5 / (n - 1)) < 0.02
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_verified_fills_follow_the_engines_schedule(n):
+    """fill_accept = p: the fills of the drafts the greedy engine verifies at per-draft acceptance p
+    (fill 1 after each flush, fill k + 1 only after an accepted fill-k draft, fill n for a full pipeline)."""
+    p = 0.3
+    w = fill_weights(n, p)
+    # the schedule, walked: a run of verifications after a flush until the first rejection
+    rng = np.random.default_rng(0)
+    seen = np.zeros(n)
+    for _ in range(50000):
+        k = 1
+        while True:
+            seen[k - 1] += 1
+            if rng.random() >= p:
+                break
+            k = min(k + 1, n)
+    # tolerances: over 5 standard deviations of a share near 0.2 (70 k walked verifications, 200 k draws)
+    np.testing.assert_allclose(w, seen / seen.sum(), atol=0.01)
+    k = np.asarray(sample_fill(jax.random.key(0), (200000,), n, p))
+    assert k.min() >= 1 and k.max() <= n
+    np.testing.assert_allclose(np.bincount(k, minlength=n + 1)[1:] / k.size, w, atol=0.005)
+    with pytest.raises(ValueError, match="fill_accept"):
+        fill_weights(4, 1.0)
+    from train.loop import TrainConfig
+
+    assert TrainConfig.from_dict({"fill_accept": "0.3"}).fill_accept == 0.3
+    for bad in ("often", 1.5, 0):
+        with pytest.raises(ValueError, match="fill_accept"):
+            TrainConfig.from_dict({"fill_accept": bad})

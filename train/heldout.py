@@ -64,7 +64,7 @@ def check_runs(runs: list[Run], offset: int) -> None:
     """One target, method and data definition for all; none may have seen the held-out conversations."""
     first = runs[0].tc
     for r in runs:
-        for key in ("model", "method", "sources", "max_len"):
+        for key in ("model", "method", "sources", "max_len", "fill_accept"):
             if getattr(r.tc, key) != getattr(first, key):
                 raise ValueError(f"{r.path} has {key}={getattr(r.tc, key)!r}, {runs[0].path} {getattr(first, key)!r}: "
                                  "runs are compared on one held-out set of one target's replies with one objective; "

@@ -81,6 +81,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 1.0
     tau: float = 1.0
+    # The simulated pipeline fills (psm.fill_weights): None, the paper's (a full pipeline half the time);
+    # p in (0, 1), the fills the greedy engine verifies when each draft is accepted with probability p
+    fill_accept: float | None = None
     # Matmul precision of the teacher and the PSM (master weights, optimiser and loss stay float32).
     # bfloat16 is for TPU and GPU; on XLA:CPU the whole step ran 0.91x as fast as in float32 even on a
     # Zen 4 with AVX512-BF16, where a lone bf16 matmul runs 1.8x (python -m bench.train_step).
@@ -113,6 +116,14 @@ class TrainConfig:
                     d[f.name] = type(f.default)(d[f.name])
                 except (TypeError, ValueError):
                     raise ValueError(f"training config {f.name}={d[f.name]!r} is not a {type(f.default).__name__}")
+        if d.get("fill_accept") is not None:
+            try:
+                d["fill_accept"] = float(d["fill_accept"])
+            except (TypeError, ValueError):
+                raise ValueError(f"training config fill_accept={d['fill_accept']!r} is not a number (or null)")
+            if not 0.0 < d["fill_accept"] < 1.0:
+                raise ValueError(f"fill_accept must be in (0, 1) (a per-draft acceptance), or null for the "
+                                 f"paper's fills; got {d['fill_accept']}")
         cfg = cls(**d)
         if cfg.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
@@ -304,7 +315,8 @@ def join_params(trainable: dict, frozen: dict) -> dict:
     return {**frozen, "params": {**trainable, **frozen["params"]}}
 
 
-def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float):
+def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
+             fill_accept: float | None = None):
     """-> (sum of the masked KL, metrics sums). batch: tokens [B, T] int32, mask [B, T] bool (t predicts
     a response token); keys [B]: one per sequence, so the simulated fill of a sequence does not depend
     on how the batch is split over devices."""
@@ -315,7 +327,7 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
                              join_params(trainable, frozen))
     h, x = jax.lax.stop_gradient(teacher_states(target, tokens, cfg, spec.anchors))
     teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
-    fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n))(keys)
+    fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n, fill_accept))(keys)
     student = PSM(cfg, spec).apply(variables, h, fill, target["final_norm"], method=PSM.train_logits)  # [B, T, V']
     drafted = jnp.argmax(student, -1)
     if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
@@ -354,7 +366,7 @@ def loss_fn(cfg, spec: Spec, tc: TrainConfig):
     metric sums): `psm_loss`, or `eagle3.eagle3_loss` unrolling tc.ttt_steps draft steps."""
     if isinstance(spec, Eagle3Config):
         return functools.partial(eagle3.eagle3_loss, cfg=cfg, spec=spec, tau=tc.tau, steps=tc.ttt_steps)
-    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau)
+    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau, fill_accept=tc.fill_accept)
 
 
 def frozen_axes(cfg, spec: Spec) -> dict:

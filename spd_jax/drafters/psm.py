@@ -380,14 +380,36 @@ def _select(g: jax.Array, types: jax.Array) -> jax.Array:
     return jnp.take_along_axis(g, types[..., None, None], axis=-2)[..., 0, :]
 
 
-def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int) -> jax.Array:
-    """The simulated pipeline fill of training (SPD.md section 6): n (a full pipeline) with probability
-    1/2, else uniform on 1..n-1 (refilling after a rejection)."""
+def fill_weights(n: int, accept: float | None = None) -> np.ndarray:
+    """[n] probabilities of the simulated pipeline fills 1..n of training.
+
+    accept None: the paper's (SPD.md section 6): n (a full pipeline) with probability 1/2, else uniform on
+    1..n-1. accept = p in (0, 1): the fills of the drafts the greedy engine verifies when each is accepted
+    with probability p. After a flush the first draft verified was made at fill 1 (only the replacement
+    in flight), the next, if that one was accepted, at fill 2, and so on; a full pipeline stays at fill n.
+    So P(k) ~ p^(k-1) for k < n and P(n) ~ p^(n-1) / (1 - p). At a low acceptance most verified drafts
+    are fill-1 drafts, which the paper's mix samples 1/(2(n-1)) of the time."""
+    if n == 1:
+        return np.ones(1)
+    if accept is None:
+        return np.array([0.5 / (n - 1)] * (n - 1) + [0.5])
+    if not 0.0 < accept < 1.0:
+        raise ValueError(f"fill_accept must be in (0, 1) (a per-draft acceptance), got {accept}")
+    w = accept ** np.arange(n, dtype=np.float64)
+    w[-1] /= 1.0 - accept
+    return w / w.sum()
+
+
+def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int, accept: float | None = None) -> jax.Array:
+    """Simulated pipeline fills in 1..n, drawn from `fill_weights(n, accept)`."""
     if n == 1:
         return jnp.ones(shape, jnp.int32)
-    k_full, k_part = jax.random.split(key)
-    part = jax.random.randint(k_part, shape, 1, n)
-    return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
+    if accept is None:  # the draw every run before `accept` existed made: kept, so resumes stay exact
+        k_full, k_part = jax.random.split(key)
+        part = jax.random.randint(k_part, shape, 1, n)
+        return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
+    logw = jnp.log(jnp.asarray(fill_weights(n, accept), jnp.float32))
+    return (jax.random.categorical(key, logw, shape=shape) + 1).astype(jnp.int32)
 
 
 def target_head(cfg: ModelConfig, spec, target_params: dict, vocab_ids, dtype, what: str) -> dict:
