@@ -17,7 +17,8 @@ This module is the one home of the PSM's feature code: anchor gathering (`anchor
 typing (`row_types`), rows, the engine's per-cycle draft (`PSMDrafter`: `PSM.draft_hidden`, then the
 head on vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
 (`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
-inference (tests/test_psm_train.py checks it). Checkpoints are orbax + a JSON sidecar naming the target,
+inference (tests/test_psm_train.py checks it), and the teacher-forced drafts by fill that
+`decode.schedule` replays into the engine's greedy counts (`drafts_by_fill`, `infer.replay`). Checkpoints are orbax + a JSON sidecar naming the target,
 pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
 """
 
