@@ -39,7 +39,7 @@ from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.psm import PSM, PSMConfig, init_psm, psm_axes, sample_fill, teacher_states
+from spd_jax.drafters.psm import PSM, PSMConfig, fill_weights, init_psm, psm_axes, sample_fill, teacher_states
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,7 @@ class TrainConfig:
                 d["fill_accept"] = float(d["fill_accept"])
             except (TypeError, ValueError):
                 raise ValueError(f"training config fill_accept={d['fill_accept']!r} is not a number (or null)")
-            if not 0.0 < d["fill_accept"] < 1.0:
-                raise ValueError(f"fill_accept must be in (0, 1) (a per-draft acceptance), or null for the "
-                                 f"paper's fills; got {d['fill_accept']}")
+            fill_weights(2, d["fill_accept"])  # refuses one outside (0, 1), naming it
         cfg = cls(**d)
         if cfg.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {cfg.method!r}")

@@ -395,7 +395,8 @@ def fill_weights(n: int, accept: float | None = None) -> np.ndarray:
     if accept is None:
         return np.array([0.5 / (n - 1)] * (n - 1) + [0.5])
     if not 0.0 < accept < 1.0:
-        raise ValueError(f"fill_accept must be in (0, 1) (a per-draft acceptance), got {accept}")
+        raise ValueError(f"fill_accept must be in (0, 1) (a per-draft acceptance), or null for the paper's "
+                         f"fills; got {accept}")
     w = accept ** np.arange(n, dtype=np.float64)
     w[-1] /= 1.0 - accept
     return w / w.sum()
