@@ -57,8 +57,8 @@ def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], li
 def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[int],
                    show_progress: bool = True) -> list[np.ndarray]:
     """Each sequence [S] -> right [S, n] bool: the draft for t + 1 made at fill k equals seq[t + 1], for
-    t >= its start (the prompt's last position: the engine drafts from the first generated token on;
-    earlier rows stay False)."""
+    t >= its start (the first generated token's position, the prompt's length: the engine's first draft
+    is made with that token newest; earlier rows stay False)."""
     import jax.numpy as jnp
 
     from spd_jax.drafters.psm import drafts_by_fill
