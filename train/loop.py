@@ -39,6 +39,7 @@ from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.eagle3 import Eagle3Config
+from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import PSM, PSMConfig, fill_weights, init_psm, psm_axes, sample_fill, teacher_states
 
 log = logging.getLogger(__name__)
@@ -333,9 +334,7 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
         teacher_v, drafted = teacher[..., ids], ids[drafted]
     else:
         teacher_v = teacher
-    logp = jax.nn.log_softmax(teacher_v / tau)
-    logq = jax.nn.log_softmax(student / tau)
-    kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
+    kl = distill_kl(student, teacher_v, tau)
     w = mask.astype(jnp.float32)
     # against the unrestricted teacher: what greedy verification would accept
     agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)

@@ -34,6 +34,7 @@ import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features
+from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
@@ -333,9 +334,7 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
         t_v = t_logits if ids is None else t_logits[..., ids]  # restricted to the draft vocabulary, renormalised
         if ids is not None:
             drafted = ids[drafted]
-        logp = jax.nn.log_softmax(t_v / tau)
-        logq = jax.nn.log_softmax(student[i] / tau)
-        kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1) * tau ** 2
+        kl = distill_kl(student[i], t_v, tau)
         kl_sum += (kl * w).sum()
         agree.append(((jnp.argmax(t_logits, -1) == drafted) * w).sum())
         weight.append(w.sum())
