@@ -311,6 +311,22 @@ def test_resume_keeps_the_runs_data():
         loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, responses="target", seed=1)))
 
 
+def test_skip_reads_a_later_slice_of_each_source():
+    """skip=s limit=l: conversations s .. s+l-1 of every source (a new round of self-distillation answers
+    prompts the last one did not); it names another corpus, and a resume must keep it."""
+    first = list(loop.conversations(loop.TrainConfig(sources=("gsm8k",), limit=5)))
+    later = list(loop.conversations(loop.TrainConfig(sources=("gsm8k",), skip=3, limit=2)))
+    assert later == first[3:5]
+    total = sum(1 for _ in loop.conversations(loop.TrainConfig(sources=("gsm8k",))))
+    rest = loop.conversations(loop.TrainConfig(sources=("gsm8k",), skip=total - 2))  # no limit: the rest
+    assert len(list(rest)) == 2
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        loop.TrainConfig.from_dict(dict(skip=-1))
+    was = dict(sources=["gsm8k"], limit=400, skip=400)
+    with pytest.raises(ValueError, match="it trained with skip=400, this command sets skip=0"):
+        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, skip=0)))
+
+
 def test_eagle3_config_matches_the_psm_data():
     """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
     positions mean equal data (the draft vocabulary is a choice of head, not of data)."""

@@ -121,7 +121,12 @@ TEMPERATURES = ("T = 0 is greedy; T = 1 samples at temperature 1 with top-k 50 a
 
 
 def _data_line(tc, note: str = "") -> str:
-    sources = ", ".join(tc.sources) + (f" (the first {tc.limit:,} conversations of each)" if tc.limit else "")
+    if tc.skip:
+        span = (f"conversations {tc.skip:,} .. {tc.skip + tc.limit - 1:,} of each" if tc.limit
+                else f"the conversations from {tc.skip:,} on of each")
+    else:
+        span = f"the first {tc.limit:,} conversations of each" if tc.limit else ""
+    sources = ", ".join(tc.sources) + (f" ({span})" if span else "")
     if tc.responses == "target":
         what = (f"the first user turns of {sources} answered by the target itself (self-distillation: greedy, up "
                 f"to {tc.max_len} tokens in all; train/distill.py), loss on the target's reply tokens")

@@ -72,9 +72,10 @@ def check_runs(runs: list[Run], offset: int) -> None:
         if r.tc.limit is None:
             raise ValueError(f"{r.path} trained on every conversation of {', '.join(r.tc.sources)} (no limit), so none is "
                              f"held out: train the runs to compare with limit=N (N <= --offset {offset})")
-        if r.tc.limit > offset:
-            raise ValueError(f"{r.path} trained on conversations 0 .. {r.tc.limit - 1} of each source, which overlaps "
-                             f"the held-out set from --offset {offset}: pass --offset {r.tc.limit} (or more)")
+        end = r.tc.skip + r.tc.limit
+        if end > offset:
+            raise ValueError(f"{r.path} trained on conversations {r.tc.skip} .. {end - 1} of each source, which "
+                             f"overlaps the held-out set from --offset {offset}: pass --offset {end} (or more)")
         if r.tc.init_from:
             raise ValueError(f"{r.path} started from {r.tc.init_from} (init_from), whose training data is not checked "
                              "against the held-out set: compare runs that start from the target or at random")
@@ -89,7 +90,7 @@ def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> 
     index: collections.Counter = collections.Counter()
     trained: set[tuple[str, bytes]] = set()
     out, repeats = [], 0
-    for src, msgs in loop.conversations(dataclasses.replace(tc, limit=max(offset + count, seen_below))):
+    for src, msgs in loop.conversations(dataclasses.replace(tc, skip=0, limit=max(offset + count, seen_below))):
         i = index[src]
         index[src] += 1
         if i >= offset + count and i >= seen_below:
@@ -115,7 +116,7 @@ def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
         raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.sources)} (fewer than "
                          f"{offset + 1} conversations, or none fits max_len {tc.max_len}): pass a smaller --offset "
                          "and train the runs with a limit below it")
-    key = loop.corpus_key(model, dataclasses.replace(tc, limit=None), "heldout-target-greedy", offset, count,
+    key = loop.corpus_key(model, dataclasses.replace(tc, skip=0, limit=None), "heldout-target-greedy", offset, count,
                           seen_below, distill.MIN_ROOM)
     log.info("held-out set: %d first turns (conversations %d .. %d of %s; %d dropped as repeats of training "
              "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1, ", ".join(tc.sources),
@@ -303,7 +304,8 @@ def main(argv=None) -> int:
         tc = runs[0].tc
         model = spd_jax.load_model(tc.model)
         scored = [checkpoints_to_score(r, steps) for r in runs]
-        seqs, repeats = heldout_set(model, tc, args.offset, args.count, max(r.tc.limit for r in runs), args.batch)
+        seen = max(r.tc.skip + r.tc.limit for r in runs)
+        seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

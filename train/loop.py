@@ -72,6 +72,9 @@ class TrainConfig:
     responses: str = "dataset"
     distill_batch: int = 32  # prompts per on-device generation batch when building the "target" corpus
     limit: int | None = None  # conversations per source (small runs and tests)
+    # conversations per source passed over before `limit` starts counting: a later slice of the corpus
+    # (e.g. a new round of self-distillation on prompts an earlier round did not answer)
+    skip: int = 0
     max_len: int = 512  # longer conversations keep only the whole turns that fit
     buckets: tuple[int, ...] = (128, 256, 512)
     batch_size: int = 8  # sequences per optimiser step (global, over the data axis)
@@ -130,6 +133,8 @@ class TrainConfig:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {cfg.responses!r}")
         if cfg.ttt_steps < 1 or cfg.eval_k < 1:
             raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
+        if cfg.skip < 0:
+            raise ValueError(f"skip must be >= 0 (conversations per source passed over), got {cfg.skip}")
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
         return cfg
@@ -144,12 +149,15 @@ def corpus_dir() -> Path:
 
 def corpus_key(model, tc: TrainConfig, *extra) -> str:
     """The cache name of tc's corpus for `model`: what its sequences depend on (`extra`: more of it)."""
+    # skip joins the key only when set, so the corpora cached before it existed keep their names
+    skip = [dict(skip=tc.skip)] if tc.skip else []
     return hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
-                                      model.tokenizer.chat_template, *extra]).encode()).hexdigest()[:16]
+                                      model.tokenizer.chat_template, *extra, *skip]).encode()).hexdigest()[:16]
 
 
 def conversations(tc: TrainConfig):
-    """(source, chat messages) of every conversation of tc.sources, tc.limit per source, in corpus order."""
+    """(source, chat messages) of the conversations tc.skip .. tc.skip + tc.limit - 1 of each of tc.sources
+    (all from tc.skip on without a limit), in corpus order."""
     from train import data
 
     readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
@@ -157,9 +165,10 @@ def conversations(tc: TrainConfig):
         if src not in readers:
             raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
         for i, msgs in enumerate(readers[src]()):
-            if tc.limit is not None and i >= tc.limit:
+            if tc.limit is not None and i >= tc.skip + tc.limit:
                 break
-            yield src, msgs
+            if i >= tc.skip:
+                yield src, msgs
 
 
 def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
@@ -562,7 +571,7 @@ def check_resume(was: dict, identity: dict) -> None:
 
 # What decides a run's data and its order: a resume must keep them, or "continues with the same data
 # position" (and train.heldout's check that a run never saw its held-out conversations) would not hold.
-DATA_KEYS = ("sources", "limit", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
+DATA_KEYS = ("sources", "skip", "limit", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
 
 
 def check_same_data(was: dict, tc: TrainConfig) -> None:
