@@ -1,7 +1,7 @@
 """The PSM's training forward computes exactly what the SPD engine's PSM computes at inference.
 
 For random sequences, every position t and every pipeline fill k (tokens in flight when t is the
-newest), `PSM.train_logits` at t must equal `PSM.draft_step` (the engine's per-cycle draft, run over
+newest), `PSM.train_hidden` with its head at t must equal `PSM.draft_step` (the engine's per-cycle draft, run over
 its incremental cache exactly as the engine runs it) for the block starting at the engine's possible
 cache lengths. A PSM with weights large enough that every row's type and context moves the logits
 makes the comparison sensitive; a control checks that a wrong fill is detected.
@@ -17,7 +17,8 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
-from spd_jax.drafters.psm import PSM, PSMConfig, anchor_states, fill_weights, init_psm, row_types, sample_fill
+from spd_jax.drafters.psm import (PSM, PSMConfig, anchor_states, deal_fills, fill_counts, fill_weights, group_sizes,
+                                  init_psm, row_types)
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
 T = 20
@@ -74,7 +75,12 @@ def _check_train_equals_engine(deep, n, vocab_ids=None):
     h = _teacher_anchors(deep, tokens, spec.anchors)
     fn = deep.params["final_norm"]
 
-    train = jax.jit(lambda v, h, fill: module.apply(v, h, fill, fn, method=PSM.train_logits))
+    def train(v, h, k):  # every position a query at fill k: in k slots, and (the first 7) in n slots
+        at = jnp.arange(T)[None]
+        y = module.apply(v, h, [(at[:, 7:], k, k), (at[:, :7], k, n)], method=PSM.train_hidden)
+        return module.apply(v, jnp.concatenate([y[1], y[0]], 1), fn, method=PSM.head_logits)
+
+    train = jax.jit(train, static_argnums=2)
     S = T + n + 2
     cache0 = init_kv_cache(cfg, spec.num_layers, 1, S, jnp.float32)
     hpad = jnp.concatenate([h[0], jnp.zeros((n + 1, *h.shape[2:]))])  # rows past T: never read by row t
@@ -88,8 +94,8 @@ def _check_train_equals_engine(deep, n, vocab_ids=None):
     infer_all = jax.jit(jax.vmap(infer, in_axes=(None, None, 0, 0, 0)))
     worst, checked, moved = 0.0, 0, 0
     for k in range(1, n + 1):
-        got = np.asarray(train(v, h, jnp.full((1, T), k, jnp.int32))[0])
-        wrong = np.asarray(train(v, h, jnp.full((1, T), k % n + 1, jnp.int32))[0]) if n > 1 else None
+        got = np.asarray(train(v, h, k)[0])
+        wrong = np.asarray(train(v, h, k % n + 1)[0]) if n > 1 else None
         # the engine's block starts at the completed prefix or one before it (psm_len lags a cycle)
         cases = [(pc, t, max(t - k + 1, 0)) for t in range(T) for pc in (max(t - k + 1, 0), max(t - k, 0))]
         pcs, ts, comps = (jnp.asarray(c, jnp.int32) for c in zip(*cases))
@@ -125,16 +131,36 @@ def test_row_types_follow_the_staircase(deep):
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
-def test_sample_fill_distribution(n):
-    k = np.asarray(sample_fill(jax.random.key(0), (20000,), n))
-    assert k.min() >= 1 and k.max() <= n
+@pytest.mark.parametrize("accept", [None, 0.3])
+def test_fills_are_dealt_in_their_proportions(n, accept):
+    """Every slot count gets fill_weights' shares up to the rounding (largest remainder: under one slot
+    per fill); dealing is a random permutation per sequence, so each position's fill follows them."""
+    assert group_sizes(8) == (1, 2, 4, 8) and group_sizes(6) == (1, 2, 4, 6) and group_sizes(1) == (1,)
+    w = fill_weights(n, accept)
+    for slots in (1, 7, 128, 384):
+        c = np.asarray(fill_counts(slots, n, accept))
+        assert c.sum() == slots and (c >= 0).all() and (np.abs(c - w * slots) < 1).all(), (slots, c)
     if n == 1:
-        assert (k == 1).all()
+        assert fill_counts(5, 1) == (5,)
         return
-    # P(k = n) = 1/2 + 1/2 * 0 (uniform part is 1..n-1); each k < n has 1/(2(n-1))
-    assert abs((k == n).mean() - 0.5) < 0.02
-    for j in range(1, n):
-        assert abs((k == j).mean() - 0.5 / (n - 1)) < 0.02
+    # the paper's mix at 128 slots: 64 at fill n, the rest spread over 1..n-1 as evenly as integers allow
+    if accept is None:
+        assert fill_counts(128, n)[-1] == 64
+    Q, B = 14, 4000
+    order, blocks = deal_fills(jax.random.split(jax.random.key(0), B), Q, n, accept)
+    order = np.asarray(order)
+    assert (np.sort(order, 1) == np.arange(Q)).all()
+    # the blocks tile the reordered slots; each runs its fills in the smallest group size that holds them
+    assert [a for a, _, _ in blocks] == list(np.cumsum([0] + [len(f) for _, f, _ in blocks])[:-1])
+    assert sum(len(f) for _, f, _ in blocks) == Q and [K for _, _, K in blocks] == sorted({K for _, _, K in blocks})
+    sizes = group_sizes(n)
+    assert sizes[-1] == n and all(K == min(s for s in sizes if s >= f.max()) for _, f, K in blocks)
+    fill_of_slot = np.zeros((B, Q), int)  # which fill query slot 0 .. Q-1 of each row was dealt
+    for a, f, _ in blocks:
+        np.put_along_axis(fill_of_slot, order[:, a:a + len(f)], np.broadcast_to(f, (B, len(f))), axis=1)
+    share = np.asarray(fill_counts(Q, n, accept)) / Q
+    for slot in (0, Q - 1):  # any one slot: its fill is drawn from the counts' shares (4,000 rows: 5 sd < 0.04)
+        np.testing.assert_allclose(np.bincount(fill_of_slot[:, slot], minlength=n + 1)[1:] / B, share, atol=0.04)
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
@@ -153,11 +179,8 @@ def test_verified_fills_follow_the_engines_schedule(n):
             if rng.random() >= p:
                 break
             k = min(k + 1, n)
-    # tolerances: over 5 standard deviations of a share near 0.2 (70 k walked verifications, 200 k draws)
+    # tolerance: over 5 standard deviations of a share near 0.2 (70 k walked verifications)
     np.testing.assert_allclose(w, seen / seen.sum(), atol=0.01)
-    k = np.asarray(sample_fill(jax.random.key(0), (200000,), n, p))
-    assert k.min() >= 1 and k.max() <= n
-    np.testing.assert_allclose(np.bincount(k, minlength=n + 1)[1:] / k.size, w, atol=0.005)
     with pytest.raises(ValueError, match="fill_accept"):
         fill_weights(4, 1.0)
     from train.loop import TrainConfig

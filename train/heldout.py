@@ -126,8 +126,10 @@ def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
 
 def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=None):
     """-> score(trainable, frozen) -> {kl, agreement}: the objective in float32 over `seqs` (sorted by
-    length into batches of BATCH, padded to `buckets`, default tc's), sequence i's fills keyed by (SEED, i):
-    the same fills whatever the padding, as long as the buckets are the same for every run."""
+    length into batches of BATCH, padded to `buckets`, default tc's), sequence i's fills keyed by (SEED, i)
+    and dealt over its batch's query slots (`psm.deal_fills`): the same fills for every run scored on the
+    same sequences and buckets."""
+
     import jax
     import jax.numpy as jnp
 

@@ -5,8 +5,9 @@ Two methods share everything here but the loss, the drafter's variables and the 
 drafter (`spd_jax.drafters.eagle3`), so both see the same data, batches, optimiser and positions.
 
 The target is frozen and teacher-forced: one forward gives every anchor state and the teacher logits;
-the PSM's draft logits come from `PSM.train_logits`, the exact training counterpart of the engine's
-per-cycle draft (tests/test_psm_train.py). Loss: KL(teacher || PSM) at temperature tau, times tau^2,
+the PSM's drafts come from `PSM.train_hidden`, the exact training counterpart of the engine's
+per-cycle draft (tests/test_psm_train.py), computed only at the positions in the loss and for the
+in-flight slots their simulated fill has (`psm.deal_fills`). Loss: KL(teacher || PSM) at temperature tau, times tau^2,
 averaged over positions whose next token is a response token; top-1 agreement is logged. The EAGLE-3
 drafter's loss is `eagle3.eagle3_loss` (the same KL over `ttt_steps` unrolled draft steps, its
 training-time test); its logged agreement is the first step's.
@@ -40,7 +41,7 @@ from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.objective import distill_kl
-from spd_jax.drafters.psm import PSM, PSMConfig, fill_weights, init_psm, psm_axes, sample_fill, teacher_states
+from spd_jax.drafters.psm import PSM, PSMConfig, deal_fills, fill_weights, init_psm, psm_axes, teacher_states
 
 log = logging.getLogger(__name__)
 
@@ -277,16 +278,23 @@ class Batches:
 
 def pad_batch(seqs: list[tuple[np.ndarray, np.ndarray]], buckets: Sequence[int]) -> dict[str, np.ndarray]:
     """[(ids, mask)] -> tokens [B, T] int32, mask [B, T] bool, zero-padded to the smallest bucket T that
-    holds the longest (one compiled shape per bucket)."""
+    holds the longest (one compiled shape per bucket); query [B, Q] int32, the positions of each row's
+    mask (its response positions) padded with 0, and query_mask [B, Q] bool, Q the smallest bucket that
+    holds the most any row has: the drafter's groups and heads run only there."""
     longest = max(len(ids) for ids, _ in seqs)
     T = next((b for b in buckets if b >= longest), None)
     if T is None:
         raise ValueError(f"a sequence of {longest} tokens exceeds the largest bucket {max(buckets)}")
+    Q = next(b for b in buckets if b >= max(max(int(m.sum()) for _, m in seqs), 1))
     tokens = np.zeros((len(seqs), T), np.int32)
     mask = np.zeros((len(seqs), T), bool)
+    query = np.zeros((len(seqs), Q), np.int32)
+    query_mask = np.zeros((len(seqs), Q), bool)
     for r, (ids, m) in enumerate(seqs):
         tokens[r, :len(ids)], mask[r, :len(m)] = ids, m
-    return dict(tokens=tokens, mask=mask)
+        at = np.flatnonzero(m)
+        query[r, :len(at)], query_mask[r, :len(at)] = at, True
+    return dict(tokens=tokens, mask=mask, query=query, query_mask=query_mask)
 
 
 # ---------------------------------------------------------------- the drafter and its loss
@@ -325,18 +333,25 @@ def join_params(trainable: dict, frozen: dict) -> dict:
 
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
              fill_accept: float | None = None):
-    """-> (sum of the masked KL, metrics sums). batch: tokens [B, T] int32, mask [B, T] bool (t predicts
-    a response token); keys [B]: one per sequence, so the simulated fill of a sequence does not depend
-    on how the batch is split over devices."""
-    tokens, mask = batch["tokens"], batch["mask"]
-    T = tokens.shape[1]
+    """-> (sum of the masked KL, metrics sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q]
+    int32 and query_mask [B, Q] bool, the positions t that predict a response token. keys [B]: one per
+    sequence, so the simulated fills of a sequence do not depend on how the batch is split over devices
+    (they do depend on Q: `psm.deal_fills`). The frozen target runs on all T positions (the PSM's chain
+    reads them all); the PSM's groups, both heads and the KL only on the queries."""
+    tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                              join_params(trainable, frozen))
     h, x = jax.lax.stop_gradient(teacher_states(target, tokens, cfg, spec.anchors))
-    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
-    fill = jax.vmap(lambda k: sample_fill(k, (T,), spec.n, fill_accept))(keys)
-    student = PSM(cfg, spec).apply(variables, h, fill, target["final_norm"], method=PSM.train_logits)  # [B, T, V']
+    order, blocks = deal_fills(keys, batch["query"].shape[1], spec.n, fill_accept)
+    at = jnp.take_along_axis(batch["query"], order, axis=1)  # [B, Q] in the blocks' order
+    w = jnp.take_along_axis(batch["query_mask"], order, axis=1).astype(jnp.float32)
+    psm = PSM(cfg, spec)
+    ys = psm.apply(variables, h, [(at[:, a:a + len(f)], f, K) for a, f, K in blocks], method=PSM.train_hidden)
+    student = psm.apply(variables, jnp.concatenate(ys, axis=1), target["final_norm"],
+                        method=PSM.head_logits)  # [B, Q, V']
+    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, jnp.take_along_axis(x, at[..., None], axis=1),
+                                                      cfg))  # [B, Q, V]
     drafted = jnp.argmax(student, -1)
     if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
         ids = variables["vocab"]["ids"]
@@ -344,7 +359,6 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     else:
         teacher_v = teacher
     kl = distill_kl(student, teacher_v, tau)
-    w = mask.astype(jnp.float32)
     # against the unrestricted teacher: what greedy verification would accept
     agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
     kl_sum = (kl * w).sum()

@@ -4,7 +4,7 @@ Under greedy decoding the committed sequence is the target's own greedy continua
 drafts. A draft is verified only when every token in flight before it was accepted (a rejection
 flushes the later ones), so each verified draft is the one the PSM makes on that known sequence, with
 newest token t and fill k (tokens in flight): what the teacher-forced training forward computes at
-(t, k) (`PSM.train_logits`, tested equal to the engine's draft). Given which of those drafts are right,
+(t, k) (`PSM.train_hidden`, tested equal to the engine's draft). Given which of those drafts are right,
 the engine's cycles, accepted and rejected drafts follow without running it: `replay_greedy` walks
 `decode.spd`'s cycle (state for state: newest position, stage occupancy, completed prefix, budget,
 EOS). It is checked against the engine in tests/test_replay.py, and against measured

@@ -16,8 +16,8 @@ the training loss over V' cost V'/V of the full ones.
 This module is the one home of the PSM's feature code: anchor gathering (`anchor_states`), staircase
 typing (`row_types`), rows, the engine's per-cycle draft (`PSMDrafter`: `PSM.draft_hidden`, then the
 head on vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
-(`PSM.train_logits`), which computes for every position exactly what `draft_step` computes at
-inference (tests/test_psm_train.py checks it), and the teacher-forced drafts by fill that
+(`PSM.train_hidden`), which computes for every query position and fill exactly what `draft_step`
+computes at inference (tests/test_psm_train.py checks it), and the teacher-forced drafts by fill that
 `decode.schedule` replays into the engine's greedy counts (`drafts_by_fill`, `infer.replay`). Checkpoints are orbax + a JSON sidecar naming the target,
 pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
 """
@@ -121,7 +121,7 @@ def target_signature(cfg: ModelConfig) -> tuple:
 
 def row_types(spec: PSMConfig, depth: jax.Array, completed: jax.Array) -> jax.Array:
     """The aggregation type of a row: the deepest type for a completed token, else f(depth). The one
-    typing rule of inference and training."""
+    typing rule (training's groups read the same `staircase` per slot, as static indices)."""
     stair = jnp.asarray(spec.staircase, jnp.int32)
     return jnp.where(completed, spec.m - 1, stair[jnp.clip(depth, 0, spec.n)])
 
@@ -155,12 +155,9 @@ def drafts_by_fill(cfg: ModelConfig, spec: "PSMConfig", variables: dict, target:
     nxt = jnp.argmax(decoder.lm_logits(target, pick(x), cfg), -1)
     psm = PSM(cfg, spec)
     ids = psm.apply(variables, method=PSM.token_ids)
-
-    def at_fill(k):
-        y = pick(psm.apply(variables, h, jnp.full(tokens.shape, k, jnp.int32), method=PSM.train_hidden))
-        return ids[jnp.argmax(psm.apply(variables, y, target["final_norm"], method=PSM.head_logits), -1)]
-
-    return nxt, jax.lax.map(at_fill, jnp.arange(1, spec.n + 1)).transpose(1, 2, 0)
+    ys = psm.apply(variables, h, [(at, k, k) for k in range(1, spec.n + 1)], method=PSM.train_hidden)
+    drafts = [ids[jnp.argmax(psm.apply(variables, y, target["final_norm"], method=PSM.head_logits), -1)] for y in ys]
+    return nxt, jnp.stack(drafts, -1)
 
 
 def _layer_schema(cfg: ModelConfig) -> dict:
@@ -253,67 +250,84 @@ class PSM(nn.Module):
         x, cache = self.forward(rows[None], cache, pc)
         return x[0, t - pc], cache
 
-    def train_logits(self, h: jax.Array, fill: jax.Array, final_norm: jax.Array) -> jax.Array:
-        """The training forward: h [B, T, m, H] teacher-forced anchor states, fill [B, T] in 1..n (how
-        many tokens are in flight when position t is the newest) -> float32 head logits [B, T, V'],
-        entry t being exactly the draft `draft_step` makes for t + 1 at that fill (`expand` maps a draft
-        vocabulary's V' logits to their token ids)."""
-        return self.head_logits(self.train_hidden(h, fill), final_norm)
-
-    def train_hidden(self, h: jax.Array, fill: jax.Array) -> jax.Array:
-        """`train_logits` up to the head: -> the drafts' hidden states [B, T, H] before the final norm.
+    def train_hidden(self, h: jax.Array, blocks: Sequence[tuple[jax.Array, Any, int]]) -> list[jax.Array]:
+        """The training forward up to the head: h [B, T, m, H] teacher-forced anchor states; blocks
+        [(at [B, Q] query positions, fill [B, Q] / [Q] / int in 1..K, K slots static)] -> per block the
+        drafts' hidden states [B, Q, H] before the final norm, entry (b, q) being exactly what
+        `draft_hidden` computes for position at[b, q] + 1 when at[b, q] is the newest token and fill[b, q]
+        tokens are in flight (tests/test_psm_train.py; `head_logits` then gives the draft logits).
 
         Layout (exact for any Ls, SPD.md section 6): one shared causal chain of completed rows (deepest
-        type) at every position, plus per query position t a group of n slots, slot j = the token at
-        t - j in flight at depth j (type f(j)); slots j < fill[t] are real. A slot attends to the chain
-        up to t - fill[t] and causally to the real slots of its own group. The chain never reads a
-        group, as cached rows never read in-flight ones at inference. The last layer runs only slot 0.
+        type) at every position, run once for all blocks, plus per query a group of K slots, slot j =
+        the token at at - j in flight at depth j (type f(j)), real for j < fill. A real slot attends to
+        the chain up to at - fill and causally to the real slots of its own group (none before the
+        sequence start); the others only to the chain and themselves, and no real slot reads them. The
+        chain never reads a group, as cached rows never read in-flight ones at inference. The last layer
+        runs only slot 0. A query costs K slots, so only positions in the loss pay for groups, and
+        blocks of small fills for few slots (`deal_fills`).
         """
         cfg, spec = self.cfg, self.spec
         B, T, m, H = h.shape
-        n, Ls, dt = spec.n, spec.num_layers, self.lm_head.dtype
+        Ls, dt = spec.num_layers, self.lm_head.dtype
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         g = self.project_all(h.astype(dt))  # [B, T, m, H]
-        slot = jnp.arange(n)
         tpos = jnp.arange(T)
-        k = fill[:, :, None]  # [B, T, 1]
+
+        # the chain: every layer's keys and values of the completed rows [B, T, Nkv, D]
+        chain_kv = []
         x_c = g[:, :, m - 1]
-        # slot j of group t reads position t - j (zeros before the sequence start: never a real slot)
-        shifted = jnp.stack([jnp.pad(g, ((0, 0), (j, 0), (0, 0), (0, 0)))[:, :T] for j in range(n)], 2)
-        x_g = _select(shifted, row_types(spec, jnp.broadcast_to(slot, (B, T, n)), slot >= k))  # [B, T, n, H]
-
-        real = (slot < k) & (tpos[None, :, None] - slot >= 0)  # [B, T, n]
-        gg_mask = (real[:, :, None, :] & (slot[:, None] <= slot[None, :])) | jnp.eye(n, dtype=bool)  # [B,T,J,I]
-        gc_mask = tpos[None, None, :] <= tpos[None, :, None] - k  # [B, T, S]
-        cc_mask = jnp.tril(jnp.ones((T, T), bool))
         cos_c, sin_c = rope_cos_sin(cfg, tpos)
-        cos_g, sin_g = rope_cos_sin(cfg, (tpos[:, None] - slot[None]).reshape(-1))
-        heads = lambda a: a.reshape(B, T, n, *a.shape[2:])  # noqa: E731  [B, T*n, ...] -> [B, T, n, ...]
-
+        cc_mask = jnp.tril(jnp.ones((T, T), bool))
         for layer in range(Ls):
             lp = jax.tree.map(lambda w: w[layer], self.layers)
-            last = layer == Ls - 1
             xn_c = rms_norm(x_c, lp["attn_norm"], eps, off)
             q_c, k_c, v_c = project_qkv(lp, xn_c, cos_c, sin_c, cfg)  # [B, T, N, D]
-            xn_g = rms_norm(x_g, lp["attn_norm"], eps, off)
-            q_g, k_g, v_g = (heads(a) for a in project_qkv(lp, xn_g.reshape(B, T * n, H), cos_g, sin_g, cfg))
-            J = 1 if last else n
-            qg = group_queries(q_g[:, :, :J], cfg)  # [B, T, J, Nkv, G, D]
-            s_gc = jnp.einsum("btjkgd,bskd->btjkgs", qg, k_c, preferred_element_type=jnp.float32)
-            s_gg = jnp.einsum("btjkgd,btikd->btjkgi", qg, k_g, preferred_element_type=jnp.float32)
-            p_gc, p_gg = softmax_blocks([jnp.where(gc_mask[:, :, None, None, None, :], s_gc, -jnp.inf),
-                                         jnp.where(gg_mask[:, :, :J, None, None, :], s_gg, -jnp.inf)])
-            o = (jnp.einsum("btjkgs,bskd->btjkgd", p_gc.astype(dt), v_c)
-                 + jnp.einsum("btjkgi,btikd->btjkgd", p_gg.astype(dt), v_g)).reshape(B, T, J, cfg.q_size)
-            y = x_g[:, :, :J] + output_projection(lp, o, xn_g[:, :, :J], cfg)
-            x_g = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
-            if not last:  # the chain's own next layer (nothing reads it after the last)
-                qc = group_queries(q_c, cfg)
-                s = jnp.einsum("btkgd,bskd->btkgs", qc, k_c, preferred_element_type=jnp.float32)
+            chain_kv.append((k_c, v_c))
+            if layer < Ls - 1:  # the chain's own next layer (nothing reads it after the last)
+                s = jnp.einsum("btkgd,bskd->btkgs", group_queries(q_c, cfg), k_c, preferred_element_type=jnp.float32)
                 (p,) = softmax_blocks([jnp.where(cc_mask[:, None, None, :], s, -jnp.inf)])
                 o = jnp.einsum("btkgs,bskd->btkgd", p.astype(dt), v_c).reshape(B, T, cfg.q_size)
                 y = x_c + output_projection(lp, o, xn_c, cfg)
                 x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
+        return [self._groups(g, chain_kv, at, fill, k) for at, fill, k in blocks]
+
+    def _groups(self, g: jax.Array, chain_kv: list, at: jax.Array, fill, k: int) -> jax.Array:
+        """The groups of one block (`train_hidden`): g [B, T, m, H] every type's row, at [B, Q], fills
+        (broadcast to [B, Q]) in 1..k, k slots -> [B, Q, H]."""
+        cfg, spec = self.cfg, self.spec
+        B, T, m, H = g.shape
+        Q = at.shape[1]
+        Ls, dt = spec.num_layers, self.lm_head.dtype
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        if not 1 <= k <= spec.n:
+            raise ValueError(f"a group has 1..{spec.n} slots (the pipeline depth), got {k}")
+        fill = jnp.broadcast_to(jnp.asarray(fill, jnp.int32), at.shape)
+        slot = jnp.arange(k)
+        pos = at[:, :, None] - slot  # [B, Q, k]: slot j holds the token at - j, in flight at depth j
+        real = (slot < fill[..., None]) & (pos >= 0)
+        stair = spec.staircase
+        x_g = jnp.stack([jnp.take_along_axis(g[:, :, stair[j]], jnp.maximum(pos[:, :, j], 0)[..., None], axis=1)
+                         for j in range(k)], 2)  # [B, Q, k, H]
+        x_g = jnp.where(real[..., None], x_g, 0)
+        gg_mask = (real[:, :, None, :] & (slot[:, None] <= slot[None, :])) | jnp.eye(k, dtype=bool)  # [B, Q, J, I]
+        gc_mask = jnp.arange(T) <= (at - fill)[..., None]  # [B, Q, S]
+        cos_g, sin_g = rope_cos_sin(cfg, pos.reshape(B, Q * k))  # [B, Q*k, R]
+        heads = lambda a: a.reshape(B, Q, k, *a.shape[2:])  # noqa: E731  [B, Q*k, ...] -> [B, Q, k, ...]
+        for layer in range(Ls):
+            lp = jax.tree.map(lambda w: w[layer], self.layers)
+            k_c, v_c = chain_kv[layer]
+            xn_g = rms_norm(x_g, lp["attn_norm"], eps, off)
+            q_g, k_g, v_g = (heads(a) for a in project_qkv(lp, xn_g.reshape(B, Q * k, H), cos_g, sin_g, cfg))
+            J = 1 if layer == Ls - 1 else k
+            qg = group_queries(q_g[:, :, :J], cfg)  # [B, Q, J, Nkv, G, D]
+            s_gc = jnp.einsum("bqjkgd,bskd->bqjkgs", qg, k_c, preferred_element_type=jnp.float32)
+            s_gg = jnp.einsum("bqjkgd,bqikd->bqjkgi", qg, k_g, preferred_element_type=jnp.float32)
+            p_gc, p_gg = softmax_blocks([jnp.where(gc_mask[:, :, None, None, None, :], s_gc, -jnp.inf),
+                                         jnp.where(gg_mask[:, :, :J, None, None, :], s_gg, -jnp.inf)])
+            o = (jnp.einsum("bqjkgs,bskd->bqjkgd", p_gc.astype(dt), v_c)
+                 + jnp.einsum("bqjkgi,bqikd->bqjkgd", p_gg.astype(dt), v_g)).reshape(B, Q, J, cfg.q_size)
+            y = x_g[:, :, :J] + output_projection(lp, o, xn_g[:, :, :J], cfg)
+            x_g = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
         return x_g[:, :, 0]
 
     def __call__(self, h, types, cache, pos, final_norm):
@@ -402,16 +416,39 @@ def fill_weights(n: int, accept: float | None = None) -> np.ndarray:
     return w / w.sum()
 
 
-def sample_fill(key: jax.Array, shape: tuple[int, ...], n: int, accept: float | None = None) -> jax.Array:
-    """Simulated pipeline fills in 1..n, drawn from `fill_weights(n, accept)`."""
-    if n == 1:
-        return jnp.ones(shape, jnp.int32)
-    if accept is None:  # the draw every run before `accept` existed made: kept, so resumes stay exact
-        k_full, k_part = jax.random.split(key)
-        part = jax.random.randint(k_part, shape, 1, n)
-        return jnp.where(jax.random.bernoulli(k_full, 0.5, shape), n, part).astype(jnp.int32)
-    logw = jnp.log(jnp.asarray(fill_weights(n, accept), jnp.float32))
-    return (jax.random.categorical(key, logw, shape=shape) + 1).astype(jnp.int32)
+def fill_counts(slots: int, n: int, accept: float | None = None) -> tuple[int, ...]:
+    """How many of a batch's `slots` query slots (per sequence) train at each pipeline fill 1..n:
+    slots * fill_weights(n, accept) rounded by largest remainder, so they sum to slots. Training deals
+    each sequence's response positions to its slots at random (`deal_fills`): a position's fill is then
+    drawn from fill_weights up to that rounding (under 1/slots per fill), and each fill's queries have a
+    static count."""
+    w = fill_weights(n, accept) * slots
+    counts = np.floor(w).astype(int)
+    counts[np.argsort(-(w - counts), kind="stable")[:slots - counts.sum()]] += 1
+    return tuple(int(c) for c in counts)
+
+
+def group_sizes(n: int) -> tuple[int, ...]:
+    """The group sizes (slots) training runs fills in: powers of two below n, and n. A fill k runs in
+    the smallest that holds it: at most 2k slots, and log2(n) blocks to compile rather than n."""
+    return tuple(sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)}))
+
+
+def deal_fills(keys: jax.Array, queries: int, n: int, accept: float | None = None):
+    """keys [B] (one per sequence), Q = queries -> (order [B, Q], a random permutation of each row's query
+    slots; blocks [(start, fills [size] int32, K)]: over the reordered slots, [start, start + size) train
+    at those fills (`fill_counts(Q)` in all) in groups of K slots (`group_sizes`), for
+    `PSM.train_hidden`)."""
+    order = jax.vmap(lambda k: jax.random.permutation(k, queries))(keys)
+    fills = np.repeat(np.arange(1, n + 1), fill_counts(queries, n, accept)).astype(np.int32)  # [Q] ascending
+    blocks, start, lo = [], 0, 1
+    for K in group_sizes(n):
+        f = fills[(fills >= lo) & (fills <= K)]
+        if f.size:
+            blocks.append((start, f, K))
+            start += f.size
+        lo = K + 1
+    return order, blocks
 
 
 def target_head(cfg: ModelConfig, spec, target_params: dict, vocab_ids, dtype, what: str) -> dict:

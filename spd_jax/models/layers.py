@@ -20,20 +20,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions [T] int -> cos, sin [T, rotary_dim] float32 (rotate-half layout: frequencies twice)."""
+    """positions [T] or [B, T] int -> cos, sin [..., T, rotary_dim] float32 (rotate-half layout:
+    frequencies twice)."""
     inv = jnp.asarray(np.asarray(rope_inv_freq(cfg.rope, cfg.rotary_dim), np.float32))
-    ang = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    ang = positions.astype(jnp.float32)[..., None] * inv
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, D]; cos/sin [T, R] with R <= D: rotates the first R dims, passes the rest."""
+    """x [B, T, N, D]; cos/sin [T, R] (one set of positions for the batch) or [B, T, R], R <= D: rotates
+    the first R dims, passes the rest."""
     r = cos.shape[-1]
     xr, xp = x[..., :r], x[..., r:]
     half = r // 2
     rot = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]  # over the heads
     out = (xr.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
     return out if r == x.shape[-1] else jnp.concatenate([out, xp], axis=-1)
 
