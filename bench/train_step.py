@@ -1,10 +1,12 @@
 """Cost of one PSM training step per variant (compute dtype, draft vocabulary), side by side in one run.
 
     python -m bench.train_step [--model smollm2-135m-instruct] [--n 8] [--batch 8] [--seq 512] [--repeats 3]
-                               [--variants float32:0,float32:16384,bfloat16:0]
+                               [--response-share 1.0] [--variants float32:0,float32:16384,bfloat16:0]
 
-A variant is DTYPE:V' (V' = 0: the PSM head over the whole vocabulary). Measures, per variant, on one
-device (mesh 1x1), random tokens with every position in the loss:
+A variant is DTYPE:V'[:P] (V' = 0: the PSM head over the whole vocabulary; P: `fill_accept`, omitted for
+the paper's fills). Measures, per variant, on one device (mesh 1x1), random tokens whose last
+--response-share of positions are in the loss (a prompt, then a response; the PSM's groups and heads
+run only there, and a query at fill k costs k group slots, so both move the step's cost):
   teacher_ms   the frozen target's forward alone (anchor states and logits), jitted
   step_ms      the whole optimiser step (teacher, PSM forward and backward, AdamW update)
   tokens_s     batch * seq / step time
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--response-share", type=float, default=1.0,
+                    help="share of each sequence's positions in the loss (its end); 1.0: every position")
     ap.add_argument("--variants", default="float32:0,float32:16384,bfloat16:0")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -39,7 +43,9 @@ def main(argv=None) -> int:
     import spd_jax
     from spd_jax.models import decoder
     from spd_jax.decode import pipelined
-    from spd_jax.sharding import data_model_mesh
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from spd_jax.sharding import data_model_mesh, put
     from spd_jax.drafters.psm import PSMConfig, anchor_states
     from train import loop
 
@@ -47,8 +53,14 @@ def main(argv=None) -> int:
     plan = pipelined.plan_for(model, args.n)
     mesh = data_model_mesh(1, 1)
     rng = np.random.default_rng(0)
-    batch = dict(tokens=rng.integers(0, model.config.vocab_size, (args.batch, args.seq)).astype(np.int32),
-                 mask=np.ones((args.batch, args.seq), bool))
+    if not 0.0 < args.response_share <= 1.0:
+        ap.error(f"--response-share must be in (0, 1], got {args.response_share}")
+    mask = np.zeros(args.seq, bool)
+    mask[args.seq - max(round(args.response_share * args.seq), 1):] = True
+    # buckets of 128 as the shipped configs' (128, 256, 384, 512): the queries pad to one of them
+    buckets = tuple(range(128, args.seq, 128)) + (args.seq,)
+    batch = loop.pad_batch([(rng.integers(0, model.config.vocab_size, args.seq).astype(np.int32), mask)
+                            for _ in range(args.batch)], buckets)
 
     def timed(fn):
         out = []
@@ -60,9 +72,9 @@ def main(argv=None) -> int:
 
     res = {}
     for variant in args.variants.split(","):
-        dt, dv = variant.split(":")
+        dt, dv, *fill = variant.split(":")
         tc = loop.TrainConfig(model=args.model, n=args.n, batch_size=args.batch, compute_dtype=dt,
-                              draft_vocab=int(dv))
+                              draft_vocab=int(dv), fill_accept=float(fill[0]) if fill else None)
         spec = PSMConfig.for_target(model.config, plan.counts, 2, draft_vocab=tc.draft_vocab)
         ids = np.arange(spec.draft_vocab) if spec.draft_vocab else None
         target = loop.compute_target(model, tc)
@@ -82,7 +94,11 @@ def main(argv=None) -> int:
         opt = loop.make_optimizer(tc)
         state, frozen = loop.init_state(model, spec, tc, opt, ids)
         step = loop.make_step(model.config, spec, tc, opt, mesh)
-        holder = {"s": state}
+        # placed as train.main places them: the step's outputs come back replicated, and an input
+        # placed otherwise would compile the step a second time on the second call
+        rep = NamedSharding(mesh, PartitionSpec())
+        holder = {"s": put(state, rep)}
+        frozen = put(frozen, rep)
 
         def one():
             holder["s"], met = step(holder["s"], frozen, target, batch)
@@ -97,7 +113,8 @@ def main(argv=None) -> int:
     first = next(iter(res.values()))
     res["speedup_over_first"] = {k: dict(teacher=first["teacher_ms"] / r["teacher_ms"], step=first["step_ms"] / r["step_ms"])
                                  for k, r in list(res.items())[1:]}
-    res["setup"] = dict(model=args.model, n=args.n, batch=args.batch, seq=args.seq, backend=jax.default_backend())
+    res["setup"] = dict(model=args.model, n=args.n, batch=args.batch, seq=args.seq,
+                        response_share=args.response_share, backend=jax.default_backend())
     print(json.dumps(res, indent=None if args.json else 1))
     return 0
 
