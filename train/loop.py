@@ -278,9 +278,9 @@ class Batches:
 
 def pad_batch(seqs: list[tuple[np.ndarray, np.ndarray]], buckets: Sequence[int]) -> dict[str, np.ndarray]:
     """[(ids, mask)] -> tokens [B, T] int32, mask [B, T] bool, zero-padded to the smallest bucket T that
-    holds the longest (one compiled shape per bucket); query [B, Q] int32, the positions of each row's
-    mask (its response positions) padded with 0, and query_mask [B, Q] bool, Q the smallest bucket that
-    holds the most any row has: the drafter's groups and heads run only there."""
+    holds the longest; query [B, Q] int32, the positions of each row's mask (its response positions)
+    padded with 0, and query_mask [B, Q] bool, Q the smallest bucket that holds the most any row has: the
+    drafter's groups and heads run only there. One compiled step per (T, Q) pair of buckets."""
     longest = max(len(ids) for ids, _ in seqs)
     T = next((b for b in buckets if b >= longest), None)
     if T is None:
