@@ -1,11 +1,12 @@
 """PSM training on tiny models and 8 CPU devices: the loss falls, meshes agree, checkpoints restore
-bit-exactly, a resumed run retraces an uninterrupted one, mismatched PSMs are refused, ShareGPT's
-truncated file is read to its last whole record; the EAGLE-3 method through the same step (its loss
-falls, its quick eval and export work, a run is not resumed as the other method); and the CLI end to
-end on the real model."""
+bit-exactly, a resumed run retraces an uninterrupted one, the teacher cache trains as the forward
+does, mismatched PSMs are refused, ShareGPT's truncated file is read to its last whole record; the
+EAGLE-3 method through the same step (its loss falls, its quick eval and export work, a run is not
+resumed as the other method); and the CLI end to end on the real model."""
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, check_spec, load
 from train import loop
 from tolerances import CACHED_VS_FULL, assert_close
 from train.data import read_sharegpt
+from train.features import TeacherCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,6 +167,69 @@ def test_checkpoint_roundtrip_and_resume(llama, tmp_path):
     assert l_first + l_rest == l_straight  # step for step, exactly
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
+    """Two epochs fed the teacher cache (computed and written in the first, read in the second) take the
+    steps of two epochs that run the teacher forward inside the step; a cache of other data is another
+    directory, and a damaged one is refused."""
+    tc, spec, opt = _setup(llama)
+    _, _, want = _run(llama, tc, spec, opt, "8x1", 10)
+    corpus = _corpus(llama.config.vocab_size)
+    batches = loop.Batches(corpus, tc)
+    assert len(batches) == 5  # 40 sequences of batch 8: steps 5 .. 9 are the second epoch
+    cache = TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32")
+    mesh = data_model_mesh(8, 1)
+    teacher = loop.make_teacher(llama.config, spec, mesh)
+    forwards = []
+
+    def forward(tokens):
+        forwards.append(1)
+        return jax.device_get(teacher(llama.params, tokens))
+
+    state, frozen = loop.init_state(llama, spec, tc, opt)
+    step = loop.make_step(llama.config, spec, tc, opt, mesh)
+    got = []
+    for i in range(10):
+        b = batches.get(i)
+        h, x = cache.get(batches.indices(i), b["tokens"].shape[1], lambda: forward(b["tokens"]))
+        assert h.shape == (8, 48, spec.m, llama.config.hidden_size) and x.shape == (8, 48, llama.config.hidden_size)
+        state, met = step(state, frozen, llama.params, dict(b, anchor_states=h, final_hidden=x))
+        got.append(float(met["loss"]))
+        assert len(forwards) == min(i + 1, 5) and cache.coverage() == min(i + 1, 5) / 5
+    assert_close(got, want, CACHED_VS_FULL, depth=llama.config.num_layers, what="cached vs forward losses")
+    # another corpus (one token changed) is another key; a cache whose files disagree with its meta is refused
+    other = [(ids.copy(), m) for ids, m in corpus]
+    other[0][0][0] += 1
+    assert TeacherCache(tmp_path, other, str(llama.path), spec.anchors, llama.config.hidden_size,
+                        "float32").path != cache.path
+    np.save(cache.path / "filled.npy", np.zeros(3, bool))
+    with pytest.raises(ValueError, match="damaged cache: delete the directory"):
+        TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32")
+
+
+def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_path):
+    corpus = [(np.arange(n, dtype=np.int32), np.ones(n, bool)) for n in (5, 3)]
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(2, 8, 2, 4)).astype(jnp.bfloat16)
+    x = rng.normal(size=(2, 8, 4)).astype(jnp.bfloat16)
+    cache = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
+    fail = lambda: pytest.fail("read back, not recomputed")  # noqa: E731
+    cache.get([0, 1], 8, lambda: (h, x))
+    h2, x2 = cache.get([1, 0], 6, fail)  # another order, another padded length
+    assert h2.dtype == jnp.bfloat16 and h2.shape == (2, 6, 2, 4)
+    assert np.array_equal(h2[0, :3], h[1, :3]) and np.array_equal(x2[1, :5], x[0, :5])  # bit for bit
+    assert not h2[0, 3:].any() and not x2[0, 3:].any()  # padding reads as zeros
+    # a write killed before its flag: the rows are there, unflagged, and recomputed on the next read
+    cache.filled[1] = False
+    cache.filled.flush()
+    again = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
+    assert again.path == cache.path and again.coverage() == 0.5
+    calls = []
+    again.get([1], 3, lambda: calls.append(1) or (h[1:, :3], x[1:, :3]))
+    assert calls == [1] and again.coverage() == 1.0
+    with pytest.raises(ValueError, match="method 'eagle3' reads other features"):
+        loop.TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))
 
 
 def test_interrupted_save_resumes_from_the_previous_step(llama, tmp_path):
@@ -368,7 +433,7 @@ def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
               "batch_size=2",
               "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=2", "heldout=4",
               "log_every=1", "n=2",  # n=2: the quick eval's engine compiles fast; n=8 is the CLI test's
-              "draft_vocab=4096"]
+              "draft_vocab=4096", "teacher_cache=true"]
     env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
     # the quick eval at step 3 runs the SPD engine with the trained weights
     r = subprocess.run(common + ["--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -376,6 +441,10 @@ def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert "S0" in rows[-1] and rows[-1]["eval_tokens"] == 8 and (out / "curves.png").is_file()
+    # the teacher cache holds the features of the 3 steps' 6 sequences (a later pass reads them:
+    # test_teacher_cache_trains_as_the_forward_does)
+    cache = Path(re.search(r"teacher cache (\S+): ", r.stderr).group(1))
+    assert np.load(cache / "filled.npy").sum() >= 6
     # the exported PSM (bf16, head shared with the target) loads for this model and plan, with the head
     spec, v = load_psm(out / "psm", smollm2.config, (15, 15), smollm2.params)
     assert spec.plan == (15, 15) and spec.anchors == (0, 8, 15, 22, 29)  # n < 7: the quarters

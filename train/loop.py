@@ -93,6 +93,9 @@ class TrainConfig:
     # bfloat16 is for TPU and GPU; on XLA:CPU the whole step ran 0.91x as fast as in float32 even on a
     # Zen 4 with AVX512-BF16, where a lone bf16 matmul runs 1.8x (python -m bench.train_step).
     compute_dtype: str = "float32"
+    # Keep the frozen target's features of every training sequence on disk (train/features.py, under the
+    # corpus cache): passes after the first, and later runs on the same data, skip the teacher's forward
+    teacher_cache: bool = False
     seed: int = 0
     heldout: int = 64  # conversations kept out of training for the quick eval
     eval_every: int = 250
@@ -134,6 +137,9 @@ class TrainConfig:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {cfg.responses!r}")
         if cfg.ttt_steps < 1 or cfg.eval_k < 1:
             raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
+        if cfg.teacher_cache and cfg.method != "psm":
+            raise ValueError(f"teacher_cache holds a PSM's anchor states; method {cfg.method!r} reads other features "
+                             "(set teacher_cache=false)")
         if cfg.skip < 0:
             raise ValueError(f"skip must be >= 0 (conversations per source passed over), got {cfg.skip}")
         if cfg.max_len > max(cfg.buckets):
@@ -271,9 +277,13 @@ class Batches:
             self._epochs = {epoch: batch_order(self.lengths, self.tc, epoch)}
         return self._epochs[epoch]
 
-    def get(self, i: int) -> dict[str, np.ndarray]:
+    def indices(self, i: int) -> np.ndarray:
+        """The corpus indices of micro-step i's sequences."""
         epoch, j = divmod(i, len(self))
-        return pad_batch([self.corpus[k] for k in self._order(epoch)[j]], self.tc.buckets)
+        return self._order(epoch)[j]
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        return pad_batch([self.corpus[k] for k in self.indices(i)], self.tc.buckets)
 
 
 def pad_batch(seqs: list[tuple[np.ndarray, np.ndarray]], buckets: Sequence[int]) -> dict[str, np.ndarray]:
@@ -337,12 +347,18 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     int32 and query_mask [B, Q] bool, the positions t that predict a response token. keys [B]: one per
     sequence, so the simulated fills of a sequence do not depend on how the batch is split over devices
     (they do depend on Q: `psm.deal_fills`). The frozen target runs on all T positions (the PSM's chain
-    reads them all); the PSM's groups, both heads and the KL only on the queries."""
+    reads them all); the PSM's groups, both heads and the KL only on the queries. A batch that carries
+    the target's features (anchor_states [B, T, m, H], final_hidden [B, T, H]: `teacher_states`'
+    outputs, from the teacher cache) skips that forward."""
     tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                              join_params(trainable, frozen))
-    h, x = jax.lax.stop_gradient(teacher_states(target, tokens, cfg, spec.anchors))
+    if "anchor_states" in batch:
+        h, x = batch["anchor_states"], batch["final_hidden"]
+    else:
+        h, x = teacher_states(target, tokens, cfg, spec.anchors)
+    h, x = jax.lax.stop_gradient((h, x))
     order, blocks = deal_fills(keys, batch["query"].shape[1], spec.n, fill_accept)
     at = jnp.take_along_axis(batch["query"], order, axis=1)  # [B, Q] in the blocks' order
     w = jnp.take_along_axis(batch["query_mask"], order, axis=1).astype(jnp.float32)
@@ -440,6 +456,14 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     frozen = tree_shardings(frozen_axes(cfg, spec), mesh, TRAIN_RULES, schema.axis_units(cfg))
     return jax.jit(step, in_shardings=(rep, frozen, target_shardings(cfg, mesh), batch_sharding(mesh)),
                    out_shardings=(rep, rep), donate_argnums=(0,))
+
+
+def make_teacher(cfg, spec: PSMConfig, mesh):
+    """-> jitted (target, tokens [B, T]) -> (anchor states [B, T, m, H], last hidden [B, T, H]): the
+    teacher forward `psm_loss` runs, alone, for the teacher cache; sharded like the step's inputs."""
+    return jax.jit(lambda target, tokens: teacher_states(target, tokens, cfg, spec.anchors),
+                   in_shardings=(target_shardings(cfg, mesh), batch_sharding(mesh)),
+                   out_shardings=batch_sharding(mesh))
 
 
 def target_shardings(cfg, mesh) -> dict:

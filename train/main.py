@@ -146,6 +146,9 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
     import spd_jax
     from spd_jax.sharding import data_model_mesh
 
+    if tc.teacher_cache and not args.export and jax.process_count() > 1:
+        raise ValueError(f"teacher_cache is written by one process; this job has {jax.process_count()} "
+                         "(set teacher_cache=false, or train on one process)")
     mesh = data_model_mesh(data, model_par)
     model = spd_jax.load_model(tc.model)
     spec = loop.drafter_spec(model, tc)
@@ -279,13 +282,28 @@ def _train(args, s: SimpleNamespace) -> None:
         log.info("quick eval off: it runs the SPD engine on n=%d stage devices, the job has %d", spec.n,
                  jax.device_count())
         eval_prompts = []
+    teacher = features = None
+    if tc.teacher_cache:
+        from train.features import TeacherCache
+
+        features = TeacherCache(loop.corpus_dir(), s.batches.corpus, str(model.path), spec.anchors,
+                                model.config.hidden_size, tc.compute_dtype)
+        teacher = loop.make_teacher(model.config, spec, mesh)
+        log.info("teacher cache %s: %.0f%% of the training sequences stored", features.path,
+                 100 * features.coverage())
     t_start = time.perf_counter()
     bar = progress_bar(range(s.start, tc.steps), initial=s.start, total=tc.steps, desc="train", unit="step",
                        disable=not s.leader)
     for step in bar:
         for micro in range(tc.grad_accum):
-            batch = put(s.batches.get(step * tc.grad_accum + micro), loop.batch_sharding(mesh))
-            state, met = step_fn(state, frozen, target, batch)
+            i = step * tc.grad_accum + micro
+            batch = s.batches.get(i)
+            if features is not None:
+                tokens = put(batch["tokens"], loop.batch_sharding(mesh))
+                h, x = features.get(s.batches.indices(i), batch["tokens"].shape[1],
+                                    lambda: jax.device_get(teacher(target, tokens)))
+                batch = dict(batch, anchor_states=h, final_hidden=x)
+            state, met = step_fn(state, frozen, target, put(batch, loop.batch_sharding(mesh)))
         met = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in v] for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
         wall = s.wall0 + time.perf_counter() - t_start

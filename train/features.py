@@ -1,0 +1,115 @@
+"""The teacher-feature cache: the frozen target's anchor states and last hidden state of every training
+sequence, written to disk the first time a run computes them, so that a later pass over the same data
+(a second epoch, a rerun with another learning rate) runs only the PSM (`TrainConfig.teacher_cache`).
+
+What is stored is exactly what the step's teacher forward returned (float32, or bfloat16's bits): the
+LM head recomputes the teacher's logits from the last hidden state as before, so a cached pass trains
+on the values the first pass computed. An uncached run recomputes them in another batch (another
+padded length, other neighbours), which XLA may reduce in another order: the two agree to float32's
+last bits (tests/test_train_loop.py), not bit for bit.
+
+One directory per (training sequences, target, anchors, dtype), under the corpus cache:
+
+    teacher-<key>/meta.json      what the key stands for, shapes and sizes (checked on opening)
+    teacher-<key>/features.npy   [tokens, m + 1, H]: the m anchor states, then the last layer's output
+    teacher-<key>/filled.npy     [sequences] bool: whose rows are written
+
+Rows are flushed before their flag, so a run killed mid-write leaves a sequence unflagged and the next
+run recomputes it. One process writes: train.main refuses the cache in a multi-process job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+VERSION = 1
+STORED = {"float32": np.float32, "bfloat16": np.uint16}  # bfloat16 kept as its bits: .npy has no bfloat16
+
+
+def cache_key(corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str, anchors: Sequence[int],
+              hidden: int, dtype: str) -> str:
+    """What the features depend on: every sequence's tokens (in order), the target, its anchors, the dtype."""
+    h = hashlib.sha256(json.dumps([VERSION, str(model_path), list(anchors), hidden, dtype]).encode())
+    for ids, _ in corpus:
+        h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+class TeacherCache:
+    """The features of `corpus` ([(ids [T_i], mask)], the run's training sequences in Batches' indexing)
+    under directory / f"teacher-{key}"; created (sparse, all unfilled) when it does not exist."""
+
+    def __init__(self, directory: Path, corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str,
+                 anchors: Sequence[int], hidden: int, dtype: str):
+        if dtype not in STORED:
+            raise ValueError(f"teacher_cache stores float32 or bfloat16 features, not {dtype!r}")
+        self.dtype = dtype
+        self.offsets = np.cumsum([0] + [len(ids) for ids, _ in corpus])
+        self.width = len(anchors) + 1  # the anchor states, then the last hidden state
+        meta = dict(version=VERSION, model=str(model_path), anchors=list(anchors), hidden=hidden, dtype=dtype,
+                    sequences=len(corpus), tokens=int(self.offsets[-1]))
+        self.path = Path(directory) / f"teacher-{cache_key(corpus, model_path, anchors, hidden, dtype)}"
+        if not self.path.is_dir():
+            self._create(meta)
+        was = json.loads((self.path / "meta.json").read_text())
+        if was != meta:
+            raise ValueError(f"{self.path} holds teacher features for {was}, not {meta}: the directory is not "
+                             "this corpus's (delete it to rebuild the cache)")
+        self.features = np.load(self.path / "features.npy", mmap_mode="r+")
+        self.filled = np.load(self.path / "filled.npy", mmap_mode="r+")
+        if self.features.shape != (meta["tokens"], self.width, hidden) or self.filled.shape != (len(corpus),):
+            raise ValueError(f"{self.path}: features {self.features.shape} or flags {self.filled.shape} do not match "
+                             f"{meta} (a damaged cache: delete the directory to rebuild it)")
+
+    def _create(self, meta: dict) -> None:
+        """Build the directory beside its final name and rename it into place: a reader never sees half of it."""
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        np.lib.format.open_memmap(tmp / "features.npy", "w+", STORED[meta["dtype"]],
+                                  (meta["tokens"], self.width, meta["hidden"])).flush()  # sparse: no data written
+        np.lib.format.open_memmap(tmp / "filled.npy", "w+", bool, (meta["sequences"],)).flush()
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            tmp.rename(self.path)
+        except OSError:  # another process created it first: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def coverage(self) -> float:
+        """The share of the sequences whose features are stored."""
+        return float(self.filled.mean()) if len(self.filled) else 1.0
+
+    def get(self, idx: Sequence[int], T: int, compute: Callable[[], tuple[np.ndarray, np.ndarray]]):
+        """The features of sequences idx padded to T: (anchor states [B, T, m, H], last hidden [B, T, H]),
+        read from disk when all are stored; otherwise compute() -> the same two arrays for the batch (the
+        teacher forward), whose rows are stored for the sequences not yet stored. Padding rows are zero
+        (read) or the forward's (computed): no response position attends to them (causal rows)."""
+        idx = [int(i) for i in idx]
+        if all(self.filled[i] for i in idx):
+            m1, H = self.width, self.features.shape[-1]
+            out = np.zeros((len(idx), T, m1, H), self.features.dtype)
+            for r, i in enumerate(idx):
+                a, b = self.offsets[i], self.offsets[i + 1]
+                out[r, :b - a] = self.features[a:b]
+            if self.dtype == "bfloat16":
+                out = out.view(ml_dtypes.bfloat16)
+            return out[:, :, :-1], out[:, :, -1]
+        h, x = compute()
+        new = [(r, i) for r, i in enumerate(idx) if not self.filled[i]]
+        for r, i in new:
+            a, b = self.offsets[i], self.offsets[i + 1]
+            rows = np.concatenate([np.asarray(h[r, :b - a]), np.asarray(x[r, :b - a])[:, None]], axis=1)
+            self.features[a:b] = rows.view(np.uint16) if self.dtype == "bfloat16" else rows
+        self.features.flush()  # the rows reach the file before their flags say so
+        for _, i in new:
+            self.filled[i] = True
+        self.filled.flush()
+        return h, x
