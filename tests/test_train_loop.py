@@ -185,7 +185,7 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
 
     def forward(tokens):
         forwards.append(1)
-        return jax.device_get(teacher(llama.params, tokens))
+        return teacher(llama.params, tokens)  # as train.main passes it: device arrays
 
     state, frozen = loop.init_state(llama, spec, tc, opt)
     step = loop.make_step(llama.config, spec, tc, opt, mesh)
@@ -193,6 +193,7 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
     for i in range(10):
         b = batches.get(i)
         h, x = cache.get(batches.indices(i), b["tokens"].shape[1], lambda: forward(b["tokens"]))
+        assert isinstance(h, jax.Array) == (i < 5)  # a miss hands the step the forward's device arrays
         assert h.shape == (8, 48, spec.m, llama.config.hidden_size) and x.shape == (8, 48, llama.config.hidden_size)
         state, met = step(state, frozen, llama.params, dict(b, anchor_states=h, final_hidden=x))
         got.append(float(met["loss"]))

@@ -90,8 +90,10 @@ class TeacherCache:
     def get(self, idx: Sequence[int], T: int, compute: Callable[[], tuple[np.ndarray, np.ndarray]]):
         """The features of sequences idx padded to T: (anchor states [B, T, m, H], last hidden [B, T, H]),
         read from disk when all are stored; otherwise compute() -> the same two arrays for the batch (the
-        teacher forward), whose rows are stored for the sequences not yet stored. Padding rows are zero
-        (read) or the forward's (computed): no response position attends to them (causal rows)."""
+        teacher forward), whose rows are stored for the sequences not yet stored, and which are returned
+        as computed: device arrays stay on their devices (one copy to the host to store them, none back).
+        Padding rows are zero (read) or the forward's (computed): no response position attends to them
+        (causal rows)."""
         idx = [int(i) for i in idx]
         if all(self.filled[i] for i in idx):
             m1, H = self.width, self.features.shape[-1]
@@ -103,10 +105,11 @@ class TeacherCache:
                 out = out.view(ml_dtypes.bfloat16)
             return out[:, :, :-1], out[:, :, -1]
         h, x = compute()
+        h_host, x_host = np.asarray(h), np.asarray(x)  # one transfer for the batch, not one per row
         new = [(r, i) for r, i in enumerate(idx) if not self.filled[i]]
         for r, i in new:
             a, b = self.offsets[i], self.offsets[i + 1]
-            rows = np.concatenate([np.asarray(h[r, :b - a]), np.asarray(x[r, :b - a])[:, None]], axis=1)
+            rows = np.concatenate([h_host[r, :b - a], x_host[r, :b - a, None]], axis=1)
             self.features[a:b] = rows.view(np.uint16) if self.dtype == "bfloat16" else rows
         self.features.flush()  # the rows reach the file before their flags say so
         for _, i in new:

@@ -301,8 +301,8 @@ def _train(args, s: SimpleNamespace) -> None:
             if features is not None:
                 tokens = put(batch["tokens"], loop.batch_sharding(mesh))
                 h, x = features.get(s.batches.indices(i), batch["tokens"].shape[1],
-                                    lambda: jax.device_get(teacher(target, tokens)))
-                batch = dict(batch, anchor_states=h, final_hidden=x)
+                                    lambda: teacher(target, tokens))  # a miss: kept on the devices for the step
+                batch = dict(batch, tokens=tokens, anchor_states=h, final_hidden=x)
             state, met = step_fn(state, frozen, target, put(batch, loop.batch_sharding(mesh)))
         met = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in v] for k, v in met.items()}
         positions += int(met["positions"]) * tc.grad_accum
