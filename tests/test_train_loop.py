@@ -150,6 +150,36 @@ def test_meshes_give_the_same_losses(llama):
     assert loop.batch_sharding(mesh).shard_shape((8, 48)) == (2, 48)
 
 
+def test_gradient_accumulation_takes_the_whole_batch_step(llama):
+    """grad_accum=2 micro-batches of 4 make one update (state step + 1) equal to one step on the 8
+    sequences at once: the token-weighted mean over the update's positions, the same fills per sequence,
+    the summed metrics; the optimiser's schedule counts updates."""
+    tc8, spec, opt = _setup(llama)
+    tc4 = dataclasses.replace(tc8, batch_size=4, grad_accum=2)
+    mesh = data_model_mesh(4, 1)
+    corpus = _corpus(llama.config.vocab_size)
+    b4 = loop.Batches(corpus, tc4)
+    micro = [b4.get(0), b4.get(1)]
+    whole = loop.pad_batch([corpus[k] for k in np.concatenate([b4.indices(0), b4.indices(1)])], tc8.buckets)
+    assert micro[0]["tokens"].shape[0] == 4 and whole["tokens"].shape[0] == 8
+    states = {}
+    for name, tc, batch in (("accumulated", tc4, micro), ("whole", tc8, whole)):
+        state, frozen = loop.init_state(llama, spec, tc, loop.make_optimizer(tc))
+        step = loop.make_step(llama.config, spec, tc, loop.make_optimizer(tc), mesh)
+        for _ in range(2):  # the second update also compares the optimiser's moments and schedule
+            state, met = step(state, frozen, llama.params, batch)
+        states[name] = (state, met)
+    (acc, m_acc), (one, m_one) = states["accumulated"], states["whole"]
+    assert int(acc["step"]) == int(one["step"]) == 2
+    assert float(m_acc["positions"]) == float(m_one["positions"]) == float(whole["mask"].sum())
+    for k in ("loss", "agreement", "grad_norm"):
+        assert_close(float(m_acc[k]), float(m_one[k]), CACHED_VS_FULL, depth=llama.config.num_layers, what=k)
+    for a, b in zip(jax.tree.leaves(acc["params"]), jax.tree.leaves(one["params"])):
+        assert_close(np.asarray(a), np.asarray(b), CACHED_VS_FULL, depth=llama.config.num_layers, what="params")
+    with pytest.raises(ValueError, match="takes grad_accum=2 micro-batches, got 1"):
+        loop.make_step(llama.config, spec, tc4, loop.make_optimizer(tc4), mesh)(acc, frozen, llama.params, micro[0])
+
+
 def test_checkpoint_roundtrip_and_resume(llama, tmp_path):
     deep = llama
     tc, spec, opt = _setup(deep)

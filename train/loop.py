@@ -389,12 +389,12 @@ def compute_target(model, tc: TrainConfig) -> dict:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and linear decay to zero, global-norm clipping (the reference's values
-    by default), optionally accumulating grad_accum micro-batches per update."""
+    """AdamW with linear warm-up and linear decay to zero over tc.steps updates, global-norm clipping
+    (the reference's values by default). Gradient accumulation is the step's (`make_step`)."""
     sched = optax.join_schedules([optax.linear_schedule(0.0, tc.lr, max(tc.warmup, 1)),
                                   optax.linear_schedule(tc.lr, 0.0, max(tc.steps - tc.warmup, 1))], [tc.warmup])
     opt = optax.chain(optax.clip_by_global_norm(tc.clip), optax.adamw(sched, weight_decay=tc.weight_decay))
-    return optax.MultiSteps(opt, tc.grad_accum) if tc.grad_accum > 1 else opt
+    return opt
 
 
 def loss_fn(cfg, spec: Spec, tc: TrainConfig):
@@ -412,21 +412,25 @@ def frozen_axes(cfg, spec: Spec) -> dict:
 
 
 def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
-    """-> jitted step(state, frozen, target, batch) -> (state, metrics); state = {params, opt, step}.
+    """-> step(state, frozen, target, batch) -> (state, metrics): one optimiser update; state = {params,
+    opt, step} with step counting updates. batch: a batch dict, or a sequence of tc.grad_accum of them
+    (one update's micro-batches, in order).
 
     loss(trainable, frozen, target, batch, keys) -> (loss sum over the batch, sums) is the method's
     (default `loss_fn(cfg, spec, tc)`); sums: kl_sum, positions (the normaliser: the gradient and the
     logged loss are per position), agree_sum with agree_positions (its denominator; default positions),
     optionally agree_by_step / positions_by_step (per unrolled draft step). Logged `positions` are the
-    batch's response positions (its mask), whatever the method, so runs compare at equal data.
+    update's response positions (its masks), whatever the method, so runs compare at equal data.
 
     One program over the `data x model` mesh, partitioned by XLA (GSPMD) from the shardings of its
     inputs under `TRAIN_RULES`: the batch is split over `data`; the frozen target is split over `model`
     as tensor-parallel decoding splits it (heads, MLP columns, vocabulary), so a device holds 1/M of
     it; the PSM's trained weights and optimizer state are replicated (a few layers: small next to the
-    target). The loss is the mean over the global batch's response positions, so the gradient
-    all-reduce over `data` and the matmul all-reduces over `model` are XLA's, and every device applies
-    the same update.
+    target). The loss is the mean over the update's response positions, so the gradient all-reduce over
+    `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
+    With grad_accum > 1 the micro-batches' gradient and metric sums are added up (one compiled program
+    per bucket, its accumulator donated) before one division and one update: the update a batch of
+    grad_accum x batch_size sequences would take, with the same random fills per sequence.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
     above 1 (e.g. 4x2) stalls in XLA:CPU's collectives (re-checked with this GSPMD step; the same
@@ -435,27 +439,60 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     target's; a draft vocabulary's rows replicated)."""
     grad_fn = jax.value_and_grad(loss or loss_fn(cfg, spec, tc), has_aux=True)
 
-    def step(state, frozen, target, batch):
+    def micro_sums(params, frozen, target, batch, step, micro):
+        """-> (gradient sums, metric sums) of one micro-batch of the update `step`."""
         B = batch["tokens"].shape[0]
-        base = jax.random.fold_in(jax.random.key(tc.seed), state["step"])
-        # one key per sequence of the global batch: the loss does not depend on how it is split
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(B))
-        (_, sums), grads = grad_fn(state["params"], frozen, target, batch, keys)
+        base = jax.random.fold_in(jax.random.key(tc.seed), step)
+        # one key per sequence of the update's batch (micro-batches in order): the loss does not depend
+        # on how the batch is split, over devices or into micro-batches
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, micro * B + i))(jnp.arange(B))
+        (_, sums), grads = grad_fn(params, frozen, target, batch, keys)
+        return grads, dict(sums, mask_positions=jnp.sum(batch["mask"], dtype=jnp.float32))
+
+    def update(state, grads, sums):
         count = jnp.maximum(sums["positions"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         agree_count = jnp.maximum(sums.get("agree_positions", sums["positions"]), 1.0)
         metrics = dict(loss=sums["kl_sum"] / count, agreement=sums["agree_sum"] / agree_count,
-                       positions=jnp.sum(batch["mask"], dtype=jnp.float32), grad_norm=optax.tree.norm(grads))
+                       positions=sums["mask_positions"], grad_norm=optax.tree.norm(grads))
         if "agree_by_step" in sums:
             metrics["agreement_by_step"] = sums["agree_by_step"] / jnp.maximum(sums["positions_by_step"], 1.0)
         return dict(params=params, opt=opt_state, step=state["step"] + 1), metrics
 
     rep = NamedSharding(mesh, P())
-    frozen = tree_shardings(frozen_axes(cfg, spec), mesh, TRAIN_RULES, schema.axis_units(cfg))
-    return jax.jit(step, in_shardings=(rep, frozen, target_shardings(cfg, mesh), batch_sharding(mesh)),
-                   out_shardings=(rep, rep), donate_argnums=(0,))
+    frozen_s = tree_shardings(frozen_axes(cfg, spec), mesh, TRAIN_RULES, schema.axis_units(cfg))
+    target_s, batch_s = target_shardings(cfg, mesh), batch_sharding(mesh)
+
+    def _batches(batch) -> list:
+        micro = [batch] if isinstance(batch, dict) else list(batch)
+        if len(micro) != tc.grad_accum:
+            raise ValueError(f"an update takes grad_accum={tc.grad_accum} micro-batches, got {len(micro)}")
+        return micro
+
+    if tc.grad_accum == 1:  # one program: gradient, update and metrics fused, the state donated
+        fused = jax.jit(lambda state, frozen, target, batch: update(
+            state, *micro_sums(state["params"], frozen, target, batch, state["step"], 0)),
+            in_shardings=(rep, frozen_s, target_s, batch_s), out_shardings=(rep, rep), donate_argnums=(0,))
+        return lambda state, frozen, target, batch: fused(state, frozen, target, *_batches(batch))
+
+    def add(acc, params, frozen, target, batch, step, micro):
+        sums = micro_sums(params, frozen, target, batch, step, micro)
+        return sums if acc is None else jax.tree.map(jnp.add, acc, sums)  # None: the first micro-batch
+
+    accumulate = jax.jit(add, in_shardings=(rep, rep, frozen_s, target_s, batch_s, rep, rep), out_shardings=rep,
+                         donate_argnums=(0,))
+    apply = jax.jit(lambda state, acc: update(state, *acc), in_shardings=(rep, rep), out_shardings=(rep, rep),
+                    donate_argnums=(0,))
+
+    def step(state, frozen, target, batch):
+        acc = None
+        for micro, b in enumerate(_batches(batch)):
+            acc = accumulate(acc, state["params"], frozen, target, b, state["step"], jnp.int32(micro))
+        return apply(state, acc)
+
+    return step
 
 
 def make_teacher(cfg, spec: PSMConfig, mesh):

@@ -294,18 +294,21 @@ def _train(args, s: SimpleNamespace) -> None:
     t_start = time.perf_counter()
     bar = progress_bar(range(s.start, tc.steps), initial=s.start, total=tc.steps, desc="train", unit="step",
                        disable=not s.leader)
+    def micro_batch(i: int) -> dict:
+        """Micro-step i's batch on the devices, with its teacher features when the cache is on."""
+        batch = s.batches.get(i)
+        if features is not None:
+            tokens = put(batch["tokens"], loop.batch_sharding(mesh))
+            h, x = features.get(s.batches.indices(i), batch["tokens"].shape[1],
+                                lambda: teacher(target, tokens))  # a miss: kept on the devices for the step
+            batch = dict(batch, tokens=tokens, anchor_states=h, final_hidden=x)
+        return put(batch, loop.batch_sharding(mesh))
+
     for step in bar:
-        for micro in range(tc.grad_accum):
-            i = step * tc.grad_accum + micro
-            batch = s.batches.get(i)
-            if features is not None:
-                tokens = put(batch["tokens"], loop.batch_sharding(mesh))
-                h, x = features.get(s.batches.indices(i), batch["tokens"].shape[1],
-                                    lambda: teacher(target, tokens))  # a miss: kept on the devices for the step
-                batch = dict(batch, tokens=tokens, anchor_states=h, final_hidden=x)
-            state, met = step_fn(state, frozen, target, put(batch, loop.batch_sharding(mesh)))
+        micro = [micro_batch(step * tc.grad_accum + m) for m in range(tc.grad_accum)]
+        state, met = step_fn(state, frozen, target, micro)
         met = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in v] for k, v in met.items()}
-        positions += int(met["positions"]) * tc.grad_accum
+        positions += int(met["positions"])
         wall = s.wall0 + time.perf_counter() - t_start
         done = step + 1
         row = dict(step=done, positions=positions, wall_s=round(wall, 2),
