@@ -96,9 +96,30 @@ def test_cli_absent_coordinator(tmp_path):
     _fails(r, "no coordinator answers at 127.0.0.1:9")
 
 
+def test_cli_deltanet_target_on_a_cpu_mesh_of_both_axes(tiny_ckpt, tmp_path):
+    """A Qwen3.5 (Gated DeltaNet) target on --mesh 4x2 on CPU, where XLA:CPU's collectives stall:
+    refused with the meshes that run, before any data is read or the run recorded."""
+    path, _ = tiny_ckpt("qwen3_5", False)
+    _fails(_cli("--config", CONFIG, "--mesh", "4x2", "--out", str(tmp_path / "run"), f"model={path}", "n=2"),
+           "stalls in XLA:CPU's collectives", "--mesh 8x1 or 1x2")
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_missing_init_from(tiny_ckpt, tmp_path):
     """A warm start from a directory that holds no exported drafter fails before the run is recorded."""
     path, _ = tiny_ckpt("llama", False)
     _fails(_cli("--config", CONFIG, "--out", str(tmp_path / "run"), f"model={path}", "n=2",
                 f"init_from={tmp_path / 'nope'}"), "no psm.json or eagle3.json there")
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_distill_bad_input(tmp_path, capsys):
+    """train.distill reports a missing config, a malformed override or a bad value as train.main does."""
+    from train import distill
+
+    assert distill.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("error: training config")
+    assert distill.main(["--config", CONFIG, "n"]) == 2
+    assert "is not key=value" in capsys.readouterr().err
+    assert distill.main(["--config", CONFIG, "--batch", "0"]) == 2
+    assert "distill_batch=0" in capsys.readouterr().err

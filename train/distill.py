@@ -11,9 +11,9 @@ user turn after a reply it never answered. A reply cut by max_len is kept up to 
 still the target's own token, an exact teacher target; the dataset rule of whole turns only is about
 replies another writer finished).
 
-Generation runs once per (sources, limit, max_len, model, template) and is cached beside the tokenised
-corpus (`corpus-<key>.npz`), in chunks written atomically as they finish, so a killed run resumes at
-the first missing chunk. Greedy tokens can differ between machines in the last bits of a near tie:
+Generation runs once per (sources, skip, limit, max_len, model, template) and is cached beside the
+tokenised corpus (`corpus-<key>.npz`), in chunks written atomically as they finish, so a killed run
+resumes at the first missing chunk. Greedy tokens can differ between machines in the last bits of a near tie:
 the cache is this machine's. This command only builds the cache (and says what it holds); `train.main`
 with the same config reads it, or builds it first.
 """
@@ -107,7 +107,7 @@ def distilled_corpus(model, tc, cache_dir: Path | None) -> list[tuple[np.ndarray
     if path is not None and path.is_file():
         return loop.load_sequences(path)
     if jax.process_count() > 1:
-        raise RuntimeError("responses: target needs its regenerated corpus built once, in one process: run "
+        raise ValueError("responses: target needs its regenerated corpus built once, in one process: run "
                            f"`python -m train.distill --config <this config>` first (cache: {cache_dir})")
     prompts = first_turn_prompts(model, tc)
     log.info("regenerating the responses of %d first turns with the target (greedy, up to %d tokens in all, "
@@ -135,21 +135,20 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from train import loop
-    from train.main import load_config
+    from train.main import SETUP_ERRORS, load_config, setup_failed
 
-    raw = load_config(argparse.Namespace(config=args.config, overrides=args.overrides, steps=None))
-    raw["responses"] = "target"
-    if args.batch is not None:
-        raw["distill_batch"] = args.batch
-    try:
+    try:  # bad input (config, overrides, model, data, a missing package): `error: ...`, status 2
+        raw = load_config(argparse.Namespace(config=args.config, overrides=args.overrides, steps=None))
+        raw["responses"] = "target"
+        if args.batch is not None:
+            raw["distill_batch"] = args.batch
         tc = loop.TrainConfig.from_dict(raw)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import spd_jax
+        import spd_jax
 
-    model = spd_jax.load_model(tc.model)
-    seqs = loop.encode_corpus(model, tc, loop.corpus_dir())
+        model = spd_jax.load_model(tc.model)
+        seqs = loop.encode_corpus(model, tc, loop.corpus_dir())
+    except SETUP_ERRORS as e:
+        return setup_failed(e)
     print(json.dumps(dict(model=model.path.name, sources=list(tc.sources), max_len=tc.max_len,
                           **summary(seqs, model.eos_token_ids))))
     return 0

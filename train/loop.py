@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("psm", "eagle3")  # what train.main trains: `method` in the config
 RESPONSES = ("dataset", "target")  # whose responses the drafter learns on: `responses` in the config
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # `compute_dtype` in the config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,11 @@ class TrainConfig:
     # The simulated pipeline fills (psm.fill_weights): None, the paper's (a full pipeline half the time);
     # p in (0, 1), the fills the greedy engine verifies when each draft is accepted with probability p
     fill_accept: float | None = None
-    # Matmul precision of the teacher and the PSM (master weights, optimiser and loss stay float32).
-    # bfloat16 is for TPU and GPU; on XLA:CPU the whole step ran 0.91x as fast as in float32 even on a
-    # Zen 4 with AVX512-BF16, where a lone bf16 matmul runs 1.8x (python -m bench.train_step).
-    compute_dtype: str = "float32"
+    # Matmul precision of the teacher and the PSM (master weights, optimiser and loss stay float32):
+    # float32, bfloat16, or auto = bfloat16 on TPU and GPU, float32 on CPU, where the whole step ran
+    # 0.91x as fast in bfloat16 even on a Zen 4 with AVX512-BF16, whose lone bf16 matmul runs 1.8x
+    # (python -m bench.train_step).
+    compute_dtype: str = "auto"
     # Keep the frozen target's features of every training sequence on disk (train/features.py, under the
     # corpus cache): passes after the first, and later runs on the same data, skip the teacher's forward
     teacher_cache: bool = False
@@ -142,6 +144,20 @@ class TrainConfig:
                              "(set teacher_cache=false)")
         if cfg.skip < 0:
             raise ValueError(f"skip must be >= 0 (conversations per source passed over), got {cfg.skip}")
+        if cfg.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {cfg.compute_dtype!r}")
+        counts = ("psm_layers", "batch_size", "grad_accum", "steps", "eval_every", "save_every", "keep",
+                  "log_every", "distill_batch")
+        bad = [f"{k}={getattr(cfg, k)}" for k in counts if getattr(cfg, k) < 1]
+        bad += [f"{k}={getattr(cfg, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab")
+                if getattr(cfg, k) < 0]
+        bad += [f"{k}={getattr(cfg, k)}" for k in ("lr", "tau", "clip") if not getattr(cfg, k) > 0]
+        if cfg.limit is not None and cfg.limit < 1:
+            bad.append(f"limit={cfg.limit}")
+        if bad:
+            raise ValueError(f"training config {', '.join(bad)}: {', '.join(counts)} must be at least 1; warmup, "
+                             "heldout, eval_prompts, eval_tokens and draft_vocab at least 0; lr, tau and clip above 0; "
+                             "limit at least 1 or null")
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
         return cfg
@@ -383,9 +399,16 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
 
 def compute_target(model, tc: TrainConfig) -> dict:
     """The frozen target's weights in the compute dtype (psm_loss computes in their dtype)."""
-    if tc.compute_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"compute_dtype must be float32 or bfloat16, got {tc.compute_dtype!r}")
-    return jax.tree.map(lambda t: t.astype(tc.compute_dtype), model.params)
+    return jax.tree.map(lambda t: t.astype(compute_dtype(tc)), model.params)
+
+
+def compute_dtype(tc: TrainConfig) -> str:
+    """tc.compute_dtype on this backend: "auto" is bfloat16 on TPU and GPU, float32 on CPU."""
+    if tc.compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {tc.compute_dtype!r}")
+    if tc.compute_dtype == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return tc.compute_dtype
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:

