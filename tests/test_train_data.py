@@ -1,9 +1,11 @@
-"""PSM training data: GSM8K train from the repository's data/, response-only loss mask."""
+"""PSM training data: GSM8K train from the repository's data/, response-only loss mask, whole turns."""
+
+import itertools
 
 import numpy as np
 import pytest
 
-from train.data import encode_example, read_gsm8k
+from train.data import encode_conversation, read_gsm8k
 
 
 def test_gsm8k_train_is_read_in_place():
@@ -25,15 +27,38 @@ def test_spd_jax_data_overrides_the_folder(tmp_path, monkeypatch):
         list(read_gsm8k("train"))
 
 
+def _turn(q, a):
+    return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
 @pytest.mark.real_model
-def test_loss_mask_covers_exactly_the_response(smollm2):
+def test_loss_mask_covers_exactly_the_reply(smollm2):
     q, a = next(read_gsm8k("train"))
-    ids, mask = encode_example(smollm2, q, a, max_len=4096)
-    prompt = smollm2.encode(q)
+    ids, mask = encode_conversation(smollm2.tokenizer, _turn(q, a), 4096, smollm2.eos_token_ids)
+    prompt = smollm2.encode(q)  # the chat template with the generation prompt
     assert ids[:len(prompt)].tolist() == prompt
-    assert mask.sum() == len(ids) - len(prompt)  # every response token (EOS included) is predicted once
-    assert not mask[:len(prompt) - 1].any() and mask[len(prompt) - 1]
-    assert smollm2.decode(ids[len(prompt):]).strip().startswith(a.split()[0])
-    short, short_mask = encode_example(smollm2, q, a, max_len=len(prompt) + 3)
-    assert len(short) == len(prompt) + 3 and short_mask.sum() == 3
-    assert np.array_equal(short, ids[:len(short)])
+    end = ids.tolist().index(smollm2.eos_token_ids[0], len(prompt))  # the reply's end-of-turn token
+    assert smollm2.decode(ids[len(prompt):end]).strip() == a.strip()
+    # every reply token and its end-of-turn token is predicted once; the template's newline after it is not
+    assert np.flatnonzero(mask).tolist() == list(range(len(prompt) - 1, end))
+    assert end < len(ids) - 1
+
+
+@pytest.mark.real_model
+def test_conversations_are_cut_at_whole_turns_never_inside_a_reply(smollm2):
+    (q1, a1), (q2, a2) = itertools.islice(read_gsm8k("train"), 2)
+    conv = _turn(q1, a1) + _turn(q2, a2)
+
+    def enc(msgs, max_len):
+        return encode_conversation(smollm2.tokenizer, msgs, max_len, smollm2.eos_token_ids)
+
+    full, full_mask = enc(conv, 4096)
+    first, first_mask = enc(conv[:2], 4096)
+    assert np.array_equal(full[:len(first)], first) and np.array_equal(full_mask[:len(first)], first_mask)
+    assert full_mask[len(first):].any()  # the second reply is in the loss too
+    got = enc(conv, len(full))  # exactly fits
+    assert np.array_equal(got[0], full) and np.array_equal(got[1], full_mask)
+    for max_len in (len(first), len(full) - 1):  # the second pair does not fit: the first, whole
+        ids, mask = enc(conv, max_len)
+        assert np.array_equal(ids, first) and np.array_equal(mask, first_mask)
+    assert enc(conv, len(first) - 1) is None  # not even the first pair fits: dropped, never truncated

@@ -1,7 +1,9 @@
-"""Training sequences for the PSM: prompt + response token ids with a mask of response positions.
+"""Training sequences for the PSM: chat token ids with a mask of response positions.
 
 The PSM is trained only where the next token is a response token (docs/SPD.md section 6), and only on
-training data: GSM8K's train split here (never the benchmark prompts). The files ship in the
+training data: ShareGPT and GSM8K's train split (never the benchmark prompts). `encode_conversation`
+keeps whole turns: a conversation is cut after the last user/assistant pair that fits the maximum
+length, and one whose first pair does not fit is dropped, never truncated. The GSM8K files ship in the
 repository's data/ (sources, licences and checksums in data/README.md); `data_path` finds them.
 """
 
@@ -45,17 +47,6 @@ def read_gsm8k(split: str = "train", root: Path | None = None) -> Iterator[tuple
             if line.strip():
                 row = json.loads(line)
                 yield row["question"], row["answer"]
-
-
-def encode_example(model, prompt: str, response: str, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (ids [T], loss_mask [T]) where loss_mask[t] says position t predicts a response token
-    (t + 1 is in the response). The prompt goes through the chat template when the tokenizer has one."""
-    prompt_ids = model.encode(prompt)
-    response_ids = model.tokenizer.encode(response, add_special_tokens=False) + list(model.eos_token_ids[:1])
-    ids = (prompt_ids + response_ids)[:max_len]
-    mask = np.zeros(len(ids), bool)
-    mask[len(prompt_ids) - 1:len(ids) - 1] = True
-    return np.asarray(ids, np.int32), mask
 
 
 # ---------------------------------------------------------------- chat corpora for PSM training
