@@ -49,6 +49,16 @@ class Model:
         return self.params["embed"].dtype
 
     @property
+    def weights_fingerprint(self) -> str:
+        """`drafters.store.target_weights` of these weights (the same for float32 and bfloat16 loads),
+        computed once: what a drafter checkpoint records of the model it was trained for."""
+        if "weights_fingerprint" not in self.runtime:
+            from spd_jax.drafters.store import target_weights
+
+            self.runtime["weights_fingerprint"] = target_weights(self.params)
+        return self.runtime["weights_fingerprint"]
+
+    @property
     def layers_loaded(self) -> bool:
         """False for a model loaded for the pipeline (stage rules): its layers live only in the
         per-stage stacks the pipeline reads from disk."""
@@ -160,6 +170,19 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
 _random_eagle3_noted: list[bool] = []
 
 
+def eagle3_source(model: Model, drafter_spec=None):
+    """drafter_spec as `resolve_eagle3` takes it -> what runs: a checkpoint path, None for a random
+    drafter, or drafter_spec itself when it is (Eagle3Config, variables). Loads nothing
+    (`infer.evaluate` asks it which checkpoint a row will use before running it)."""
+    from spd_jax.drafters import eagle3
+
+    if isinstance(drafter_spec, str) and drafter_spec == "random":
+        return None
+    if drafter_spec is None:
+        return eagle3.shipped_eagle3(defaults.canonical_name(model.path.name))
+    return drafter_spec
+
+
 def resolve_eagle3(model: Model, drafter_spec=None):
     """drafter_spec: None (the EAGLE-3 drafter shipped for this default model, `spd_jax/eagle3s/<model>/`,
     else a random one, announced once), "random" (seed 0), a checkpoint directory (`save_eagle3`; one
@@ -167,10 +190,7 @@ def resolve_eagle3(model: Model, drafter_spec=None):
     dtype, label)."""
     from spd_jax.drafters import eagle3
 
-    if isinstance(drafter_spec, str) and drafter_spec == "random":
-        drafter_spec = None
-    elif drafter_spec is None:
-        drafter_spec = eagle3.shipped_eagle3(defaults.canonical_name(model.path.name))
+    drafter_spec = eagle3_source(model, drafter_spec)
     if drafter_spec is None:
         spec = eagle3.Eagle3Config.for_target(model.config)
         if not _random_eagle3_noted:  # once per process, not once per call
@@ -184,7 +204,9 @@ def resolve_eagle3(model: Model, drafter_spec=None):
     if isinstance(drafter_spec, (str, Path)):
         key = ("eagle3_checkpoint", str(Path(drafter_spec).absolute()))
         if key not in model.runtime:
-            model.runtime[key] = eagle3.load_eagle3(drafter_spec, model.config, model.params, model.dtype)
+            model.runtime[key] = eagle3.load_eagle3(drafter_spec, model.config, model.params, model.dtype,
+                                                    target_weights=model.weights_fingerprint,
+                                                    model_name=str(model.path))
         spec, variables = model.runtime[key]
         return spec, variables, str(drafter_spec)
     spec, variables = drafter_spec

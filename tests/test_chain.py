@@ -290,3 +290,21 @@ def test_eagle3_checkpoint_identity(tiny_ckpt, tmp_path):
         eagle3.load_eagle3(tmp_path, cfg, model.params)
     with pytest.raises(FileExistsError):
         eagle3.save_eagle3(tmp_path / "d", variables, spec)
+
+
+def test_an_eagle3_drafter_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_path):
+    """Same architecture, other weights (another init seed, as a base model and its fine-tune): the
+    drafter records its target's weights fingerprint and the other model refuses it by name."""
+    import re
+
+    a, b = (spd_jax.load_model(tiny_ckpt("llama", False, seed=s, **_MODELS["llama"])[0]) for s in (0, 1))
+    spec = eagle3.Eagle3Config.for_target(a.config)
+    eagle3.save_eagle3(tmp_path / "d", eagle3.init_eagle3(a.config, spec, a.params, seed=2), spec,
+                       target_weights=a.weights_fingerprint)
+    eagle3.load_eagle3(tmp_path / "d", a.config, a.params)
+    msg = (rf"EAGLE-3 checkpoint {re.escape(str(tmp_path / 'd'))} was trained for another model of the same "
+           rf"architecture: its target weights have fingerprint {a.weights_fingerprint}, those of "
+           rf"{re.escape(str(b.path))} {b.weights_fingerprint} .*train an EAGLE-3 drafter for "
+           rf"{re.escape(str(b.path))} .* or pass the drafter trained for it \(--drafter DIR\)")
+    with pytest.raises(eagle3.Eagle3CheckpointError, match=msg):
+        spd_jax.generate(b, PROMPT, 4, method="eagle3", drafter_spec=str(tmp_path / "d"))

@@ -1,6 +1,10 @@
 """The SPD engine and the plain pipeline on 8 CPU devices: lossless greedy and sampling, rollback
 (including Gated DeltaNet state), identical decisions on every stage, no recompilation, bad input."""
 
+import json
+import logging
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -10,7 +14,7 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
-from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, save_psm
+from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -226,3 +230,55 @@ def test_bad_input(deep, tmp_path, tiny_ckpt):
     res = spd_jax.generate(deep, PROMPT, 12, method="spd", n=4, spec=tmp_path / "psm4", stop_at_eos=False)
     assert res.token_ids == spd_jax.generate(deep, PROMPT, 12, stop_at_eos=False).token_ids
     assert res.stats["psm"] == str(tmp_path / "psm4")
+
+
+def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_path, caplog):
+    """Same architecture, other weights (another init seed, as a base model and its fine-tune): a PSM
+    records its target's weights fingerprint and another model refuses it, naming both fingerprints, the
+    model and the fix. float32 and bfloat16 loads of one checkpoint have one fingerprint; a PSM saved
+    without one (before the field) loads with a warning."""
+    a_path, b_path = (tiny_ckpt("llama", False, seed=s, num_hidden_layers=2)[0] for s in (0, 1))
+    a, b, a16 = spd_jax.load_model(a_path), spd_jax.load_model(b_path), spd_jax.load_model(a_path, dtype="bfloat16")
+    assert a.config == b.config and a16.dtype == jax.numpy.bfloat16
+    assert a.weights_fingerprint == a16.weights_fingerprint != b.weights_fingerprint
+    assert re.fullmatch(r"[0-9a-f]{16}", a.weights_fingerprint)
+    plan = pipelined.plan_for(a, 2).counts
+    spec = PSMConfig.for_target(a.config, plan, num_layers=1)
+    save_psm(tmp_path / "a", init_psm(a.config, spec, a.params), spec, target_weights=a.weights_fingerprint)
+    assert json.loads((tmp_path / "a" / "psm.json").read_text())["target_weights"] == a.weights_fingerprint
+    load_psm(tmp_path / "a", a16.config, plan, a16.params, a16.dtype)  # its own model, in bfloat16 too
+    msg = (rf"{re.escape(str(tmp_path / 'a'))} was trained for another model of the same architecture: its target "
+           rf"weights have fingerprint {a.weights_fingerprint}, those of {re.escape(str(b.path))} "
+           rf"{b.weights_fingerprint} .*train a PSM for {re.escape(str(b.path))} .* or pass the PSM trained for it "
+           r"\(--spec DIR\)")
+    with pytest.raises(PSMCheckpointError, match=msg):
+        spd_jax.generate(b, PROMPT, 4, method="spd", n=2, spec=tmp_path / "a")
+    with pytest.raises(PSMCheckpointError, match="fingerprint"):  # the loader alone: from the target's params
+        load_psm(tmp_path / "a", b.config, plan, b.params)
+    save_psm(tmp_path / "old", init_psm(a.config, spec, a.params), spec)  # saved before the field existed
+    assert "target_weights" not in json.loads((tmp_path / "old" / "psm.json").read_text())
+    with caplog.at_level(logging.WARNING):
+        load_psm(tmp_path / "old", b.config, plan, b.params)
+    assert "does not record the target weights it was trained for" in caplog.text
+
+
+
+@pytest.mark.real_model
+def test_the_shipped_drafters_record_the_default_models_weights(smollm2):
+    """Each shipped PSM and EAGLE-3 drafter records the embedded model's weights fingerprint, so it loads
+    on that model (float32 or bfloat16) and on no other of its shape."""
+    from spd_jax.drafters import eagle3, psm
+    from spd_jax.drafters.store import TARGET_WEIGHTS
+
+    bf16 = spd_jax.load_model("smollm2", dtype="bfloat16")
+    assert bf16.weights_fingerprint == smollm2.weights_fingerprint
+    psms = sorted(psm.SHIPPED_DIR.glob("*/psm.json"))
+    eagles = sorted(eagle3.SHIPPED_DIR.glob("*/eagle3.json"))
+    assert len(psms) >= 2 and len(eagles) >= 1
+    for meta in psms + eagles:
+        assert json.loads(meta.read_text())[TARGET_WEIGHTS] == smollm2.weights_fingerprint, meta
+    for meta in psms:
+        spec = psm.read_spec(meta.parent)
+        load_psm(meta.parent, smollm2.config, spec.plan, smollm2.params)
+    for meta in eagles:
+        eagle3.load_eagle3(meta.parent, smollm2.config, smollm2.params)

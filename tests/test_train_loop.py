@@ -478,6 +478,8 @@ def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
     assert np.load(cache / "filled.npy").sum() >= 6
     # the exported PSM (bf16, head shared with the target) loads for this model and plan, with the head
     spec, v = load_psm(out / "psm", smollm2.config, (15, 15), smollm2.params)
+    # it records the target's weights, which loading it on another model of this shape checks
+    assert json.loads((out / "psm" / "psm.json").read_text())["target_weights"] == smollm2.weights_fingerprint
     assert spec.plan == (15, 15) and spec.anchors == (0, 8, 15, 22, 29)  # n < 7: the quarters
     assert spec.draft_vocab == 4096 and v["vocab"]["ids"].shape == (4096,)
     # SmolLM2 ties its head: the draft vocabulary's rows of the embedding
@@ -502,6 +504,7 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     assert rows[-1]["eval_k"] == 3 and rows[-1]["tokens_per_round"] >= 1 and (out / "curves.png").is_file()
     assert json.loads((out / "run.json").read_text())["identity"]["method"] == "eagle3"
     meta = json.loads((out / "drafter" / "eagle3.json").read_text())
+    assert meta["target_weights"] == smollm2.weights_fingerprint
     assert meta["trained"]["method"] == "eagle3" and meta["trained"]["positions"] == rows[-1]["positions"]
     spec, v = eagle3.load_eagle3(out / "drafter", smollm2.config, smollm2.params)
     assert spec.layers == (2, 15, 27) and spec.draft_vocab == 4096

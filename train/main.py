@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         return setup_failed(e)
     if args.export:
         _export(s.export_to, _variables(s.state, s.frozen), s.spec, s.tc, s.raw, s.recorded.get("mesh", "?"),
-                s.start, s.positions, s.wall0, s.warm_start)
+                s.start, s.positions, s.wall0, s.model.weights_fingerprint, s.warm_start)
         return 0
     _train(args, s)
     return 0
@@ -341,7 +341,7 @@ def _train(args, s: SimpleNamespace) -> None:
 
     final = out / loop.export_name(spec)
     _export(final, _variables(state, frozen), spec, tc, s.raw, args.mesh, tc.steps, positions,
-            s.wall0 + time.perf_counter() - t_start, s.warm_start)
+            s.wall0 + time.perf_counter() - t_start, model.weights_fingerprint, s.warm_start)
     if s.leader:
         loop.plot_curves(metrics_path, out / "curves.png")
 
@@ -359,9 +359,10 @@ def _export_step(value: str, ckpts, out: Path) -> int:
 
 
 def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, positions: int, wall_s: float,
-            warm_start: dict | None = None) -> None:
+            target_weights: str, warm_start: dict | None = None) -> None:
     """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it
-    (and what it started from: `loop.warm_start_record`)."""
+    (and what it started from: `loop.warm_start_record`) and the fingerprint of the target's weights
+    (`Model.weights_fingerprint`), which loading it checks."""
     import jax
     import jax.numpy as jnp
 
@@ -380,7 +381,7 @@ def _export(final: Path, variables, spec, tc, raw: dict, mesh: str, step: int, p
         trained.update(ttt_steps=tc.ttt_steps)
     if warm_start:
         trained.update(warm_start=warm_start)
-    loop.save_drafter(final, variables, spec, dict(trained=trained))
+    loop.save_drafter(final, variables, spec, dict(trained=trained, target_weights=target_weights))
     if tc.method == "eagle3":
         log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
                  "--drafter %s)", step, final, tc.eval_k, final)

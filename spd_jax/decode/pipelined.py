@@ -52,24 +52,32 @@ def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StageP
     return plan
 
 
+def psm_source(model, plan: StagePlan, spec):
+    """spec as `resolve_psm` takes it -> (what runs: a checkpoint path, None for a random PSM, or spec
+    itself when it is (PSMConfig, variables); why a random one). Loads nothing: `infer.evaluate` asks it
+    which checkpoint a row will use before running it."""
+    why = "an untrained PSM was asked for (spec=\"random\", --random-psm)"
+    if isinstance(spec, str) and spec == "random":
+        return None, why
+    if spec is None:  # the PSM shipped for a default model at this n, else a random one
+        from spd_jax.convert.defaults import canonical_name
+
+        spec = shipped_psm(canonical_name(model.path.name), plan.n)
+        why = "no PSM checkpoint given (--spec) and none ships for this model at this n"
+        if spec is not None and read_spec(spec).plan != plan.counts:
+            why = (f"the PSM shipped for this model at n={plan.n} was trained for the stage plan "
+                   f"{list(read_spec(spec).plan)}, not {list(plan.counts)}")
+            spec = None  # an explicit other plan gets a random PSM
+    return spec, why
+
+
 def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
     """spec: None (the PSM shipped for this default model and n if any, else a random one), "random" (a
     random PSM, seed 0: the PSM is a model, not sampling randomness), a checkpoint path, or
     (PSMConfig, variables).
     -> (config, vars in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are),
     label)."""
-    n, why = plan.n, "an untrained PSM was asked for (spec=\"random\", --random-psm)"
-    if isinstance(spec, str) and spec == "random":
-        spec = None
-    elif spec is None:  # the PSM shipped for a default model at this n, else a random one
-        from spd_jax.convert.defaults import canonical_name
-
-        spec = shipped_psm(canonical_name(model.path.name), n)
-        why = "no PSM checkpoint given (--spec) and none ships for this model at this n"
-        if spec is not None and read_spec(spec).plan != plan.counts:
-            why = (f"the PSM shipped for this model at n={n} was trained for the stage plan "
-                   f"{list(read_spec(spec).plan)}, not {list(plan.counts)}")
-            spec = None  # an explicit other plan gets a random PSM
+    spec, why = psm_source(model, plan, spec)
     if spec is None:
         cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
         if not _random_psm_noted:  # once per process, not once per call
@@ -83,7 +91,8 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfi
     if isinstance(spec, (str, Path)):
         key = ("psm_checkpoint", str(Path(spec).absolute()), plan.counts)
         if key not in model.runtime:
-            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.params, model.dtype)
+            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.params, model.dtype,
+                                          target_weights=model.weights_fingerprint, model_name=str(model.path))
         cfg, variables = model.runtime[key]
         return cfg, variables, str(spec)
     cfg, variables = spec

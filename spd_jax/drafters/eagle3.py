@@ -14,7 +14,8 @@ position of a teacher-forced sequence with the attention pattern inference has: 
 t (position t + i) attends to the step-0 rows at positions <= t and to the rows of steps 1..i at index t,
 so what is trained is what `Eagle3Drafter.propose` computes (tests/test_chain.py checks it).
 
-Checkpoints are orbax + `eagle3.json` naming the target and the feature layers; a mismatch is refused.
+Checkpoints are orbax + `eagle3.json` naming the target (its architecture and a fingerprint of its
+weights) and the feature layers; a mismatch is refused.
 A drafter trained for a default model ships under `spd_jax/eagle3s/<model>/` (`shipped_eagle3`).
 This module holds the drafter's network, its loss and its checkpoints; the loop is `decode.chain`.
 """
@@ -347,7 +348,7 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
 
 
 class Eagle3CheckpointError(ValueError):
-    """An EAGLE-3 checkpoint that does not belong to this target model."""
+    """An EAGLE-3 checkpoint that does not belong to this target model (architecture or weights)."""
 
 
 def spec_to_json(spec: Eagle3Config) -> dict:
@@ -363,12 +364,16 @@ def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
     return Eagle3Config(tuple(d["layers"]), tuple(d["target"]), int(d.get("draft_vocab", 0)))
 
 
-def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None) -> None:
+def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None,
+                target_weights: str | None = None) -> None:
     """Write variables (orbax) and the spec (`eagle3.json`, plus `extra` facts such as training
-    provenance; "head": "shared" when variables lack the LM head) to a new directory `path`."""
-    from spd_jax.drafters.store import save_drafter
+    provenance; "head": "shared" when variables lack the LM head) to a new directory `path`.
+    target_weights: the target's `store.target_weights` fingerprint (also accepted in extra), recorded so
+    that `load_eagle3` refuses the drafter for another model of the same architecture."""
+    from spd_jax.drafters.store import TARGET_WEIGHTS, save_drafter
 
-    save_drafter(path, variables, "eagle3.json", dict(spec_to_json(spec), **(extra or {})), "drafter")
+    meta = dict(spec_to_json(spec), **(extra or {}), **({TARGET_WEIGHTS: target_weights} if target_weights else {}))
+    save_drafter(path, variables, "eagle3.json", meta, "drafter")
 
 
 def read_spec(path: str | Path) -> Eagle3Config:
@@ -395,11 +400,22 @@ def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Se
 
 
 def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=jnp.float32,
-                layers: Sequence[int] | None = None) -> tuple[Eagle3Config, dict]:
-    """Load a drafter saved by `save_eagle3`, refusing one trained for another target (or other layers).
-    One saved without its LM head ("head": "shared") gets the target's."""
+                layers: Sequence[int] | None = None, target_weights: str | None = None,
+                model_name: str | None = None) -> tuple[Eagle3Config, dict]:
+    """Load a drafter saved by `save_eagle3`, refusing one trained for another target (another
+    architecture, or other weights: eagle3.json's target_weights against target_weights, the target's
+    `store.target_weights`, computed from target_params when not given; model_name names the target in
+    that error) or other layers. One saved without its LM head ("head": "shared") gets the target's."""
+    from spd_jax.drafters.store import check_target_weights
+    from spd_jax.drafters.store import target_weights as fingerprint
+
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, str(path), layers)
+    model = model_name or "this model"
+    check_target_weights(json.loads((path / "eagle3.json").read_text()), target_weights or fingerprint(target_params),
+                         str(path), model, "EAGLE-3", f"train an EAGLE-3 drafter for {model} (python -m train.main "
+                         f"with method: eagle3, model: {model}) or pass the drafter trained for it (--drafter DIR)",
+                         Eagle3CheckpointError)
     init = lambda zeros: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
     return spec, restore_drafter(path, "eagle3.json", init, spec, cfg, target_params, dtype)

@@ -18,8 +18,9 @@ typing (`row_types`), rows, the engine's per-cycle draft (`PSMDrafter`: `PSM.dra
 head on vocabulary shards; `PSM.draft_step` is the same draft whole) and the training forward
 (`PSM.train_hidden`), which computes for every query position and fill exactly what `draft_step`
 computes at inference (tests/test_psm_train.py checks it), and the teacher-forced drafts by fill that
-`decode.schedule` replays into the engine's greedy counts (`drafts_by_fill`, `infer.replay`). Checkpoints are orbax + a JSON sidecar naming the target,
-pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
+`decode.schedule` replays into the engine's greedy counts (`drafts_by_fill`, `infer.replay`).
+Checkpoints are orbax + a JSON sidecar naming the target (its architecture and a fingerprint of its
+weights), pipeline depth, stage plan and anchors they were trained for; a mismatch is refused.
 """
 
 from __future__ import annotations
@@ -519,7 +520,8 @@ def psm_axes(cfg: ModelConfig, spec: PSMConfig) -> dict:
 
 
 class PSMCheckpointError(ValueError):
-    """A PSM checkpoint that does not belong to this target model, pipeline depth or stage plan."""
+    """A PSM checkpoint that does not belong to this target model (architecture or weights), pipeline
+    depth or stage plan."""
 
 
 def spec_to_json(spec: PSMConfig) -> dict:
@@ -534,12 +536,16 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
                      int(d.get("draft_vocab", 0)))
 
 
-def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None) -> None:
+def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None,
+             target_weights: str | None = None) -> None:
     """Write variables (orbax) and the spec (JSON, plus `extra` facts such as training provenance) to a
-    new directory `path`."""
-    from spd_jax.drafters.store import save_drafter
+    new directory `path`. target_weights: the target's `store.target_weights` fingerprint (also accepted in
+    extra), recorded so that `load_psm` refuses the PSM for another model of the same architecture;
+    without it the PSM loads anywhere its architecture fits, with a warning."""
+    from spd_jax.drafters.store import TARGET_WEIGHTS, save_drafter
 
-    save_drafter(path, variables, "psm.json", dict(spec_to_json(spec), **(extra or {})), "PSM")
+    meta = dict(spec_to_json(spec), **(extra or {}), **({TARGET_WEIGHTS: target_weights} if target_weights else {}))
+    save_drafter(path, variables, "psm.json", meta, "PSM")
 
 
 def read_spec(path: str | Path) -> PSMConfig:
@@ -572,12 +578,23 @@ def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], w
 
 
 def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], target_params: dict,
-             dtype=jnp.float32, anchors: Sequence[int] | None = None) -> tuple[PSMConfig, dict]:
-    """Load a PSM saved by `save_psm`, refusing one trained for another target, n, plan or anchors. A
-    PSM saved without its LM head (psm.json "head": "shared") uses the target's, frozen in training."""
+             dtype=jnp.float32, anchors: Sequence[int] | None = None, target_weights: str | None = None,
+             model_name: str | None = None) -> tuple[PSMConfig, dict]:
+    """Load a PSM saved by `save_psm`, refusing one trained for another target (another architecture, or
+    other weights: psm.json's target_weights against target_weights, the target's `store.target_weights`,
+    computed from target_params when not given), n, plan or anchors; model_name names the target in that
+    error. A PSM saved without its LM head (psm.json "head": "shared") uses the target's, frozen in
+    training."""
+    from spd_jax.drafters.store import check_target_weights
+    from spd_jax.drafters.store import target_weights as fingerprint
+
     path = Path(path).absolute()
     spec = read_spec(path)
     check_spec(spec, cfg, stage_counts, str(path), anchors)
+    model = model_name or "this model"
+    check_target_weights(json.loads((path / "psm.json").read_text()), target_weights or fingerprint(target_params),
+                         str(path), model, "PSM", f"train a PSM for {model} (python -m train.main with model: "
+                         f"{model}) or pass the PSM trained for it (--spec DIR)", PSMCheckpointError)
     init = lambda zeros: init_psm(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
     return spec, restore_drafter(path, "psm.json", init, spec, cfg, target_params, dtype)
 

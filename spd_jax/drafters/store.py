@@ -1,6 +1,8 @@
 """A drafter checkpoint: its variables (orbax) and its identity (JSON) in a new directory, written once
 per job (every process takes part in the orbax save; process 0 alone writes the JSON), and read back
-onto this process's first device."""
+onto this process's first device. Also the two fingerprints that tie a drafter to what it belongs to:
+`target_weights` (the target model's weights, recorded in the JSON, checked on load) and `content_id`
+(the checkpoint's own content, recorded in `infer.evaluate`'s rows)."""
 
 from __future__ import annotations
 
@@ -36,3 +38,70 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
     return ocp.StandardCheckpointer().restore(Path(path) / "params", abstract)
+
+
+# ---------------------------------------------------------------- identities
+
+# The json key (psm.json, eagle3.json) holding the fingerprint of the target weights a drafter was trained
+# for (`target_weights`). The architecture signature ("target") alone lets a drafter for one model load on
+# another of the same shape (its base model, a fine-tune); this refuses those.
+TARGET_WEIGHTS = "target_weights"
+META_NAMES = ("psm.json", "eagle3.json")  # a drafter directory's identity file, one of these
+
+
+def target_weights(params: dict) -> str:
+    """A target's weights -> a short fingerprint: the first 16 hex digits of sha256 over its token-embedding
+    table [V, H] cast to bfloat16 (row-major bytes). Cast first so float32 and bfloat16 loads of one
+    checkpoint agree (a bfloat16 load rounds as this cast does); two models of one architecture differ
+    unless their embeddings are equal to bfloat16 precision. Reads the table to the host once (V * H * 2
+    bytes); `Model.weights_fingerprint` keeps the result."""
+    import hashlib
+
+    import jax.numpy as jnp
+
+    from spd_jax.distributed import to_host
+
+    table = to_host(jnp.asarray(params["embed"]).astype(jnp.bfloat16))  # [V, H]
+    return hashlib.sha256(table.tobytes(order="C")).hexdigest()[:16]
+
+
+def check_target_weights(meta: dict, have: str, where: str, model: str, what: str, fix: str, error) -> None:
+    """Refuse a drafter whose json (meta) records target weights other than `have` (this model's
+    `target_weights`), raising error(...) with both fingerprints, the model and fix (how to get a drafter
+    for it). A drafter saved before the field existed loads with a warning: it is not checked."""
+    import logging
+
+    want = meta.get(TARGET_WEIGHTS)
+    if want is None:
+        logging.getLogger(__name__).warning(
+            "%s checkpoint %s does not record the target weights it was trained for (no %r in its json: saved "
+            "before that check); it is not checked against %s (fingerprint %s)", what, where, TARGET_WEIGHTS,
+            model, have)
+        return
+    if want != have:
+        raise error(f"{what} checkpoint {where} was trained for another model of the same architecture: its target "
+                    f"weights have fingerprint {want}, those of {model} {have} (a base model and its fine-tune, or "
+                    f"another training of the same shape, differ so); {fix}")
+
+
+def content_id(path: str | Path) -> str:
+    """A drafter directory -> the first 16 hex digits of sha256 over what it is: its identity json
+    (psm.json or eagle3.json, canonicalised: key order and whitespace do not count) and every file under
+    params/ (relative path and bytes, in path order). Another drafter written to the same path (a PSM
+    shipped over an older one) gets another id; CARD.md, curves and lineage.json beside them do not count.
+    Reads the whole checkpoint (tens of MB for the shipped drafters)."""
+    import hashlib
+
+    path = Path(path)
+    meta = next((path / m for m in META_NAMES if (path / m).is_file()), None)
+    if meta is None:
+        raise FileNotFoundError(f"{path} is not a drafter checkpoint (no {' or '.join(META_NAMES)})")
+    h = hashlib.sha256()
+    h.update(meta.name.encode() + b"\0" + json.dumps(json.loads(meta.read_text()), sort_keys=True).encode() + b"\0")
+    params = path / "params"
+    for f in sorted(p for p in params.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(params).as_posix()}\0{f.stat().st_size}\0".encode())  # name, length: unambiguous
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
