@@ -20,10 +20,13 @@ length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens /
 theoretical speedup of a chain drafter).
 
 DIR/results.jsonl gets one row per (benchmark, prompt, method, n or k, T) as it finishes; a rerun skips
-the rows already there; DIR/commands.txt lists the commands that made them. DIR/results.md holds the
-pooled tables, with the cost model's projected wall-clock speedup on the H200-like and TPU-like
-profiles (`spd_jax.pipeline.costs`) at each row's measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and DIR/cycle_breakdown.png the plots. Each row
-says what its timing includes.
+the rows already there, unless the drafter at their path has changed since: each spd and eagle3 row
+records its drafter's content (`drafter_id`, `store.content_id` of the checkpoint; "random" for an
+untrained one), and rows of another one are computed again and not pooled with the new ones;
+DIR/commands.txt lists the commands that made them. DIR/results.md holds the pooled tables, with the
+cost model's projected wall-clock speedup on the H200-like and TPU-like profiles
+(`spd_jax.pipeline.costs`) at each row's measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and
+DIR/cycle_breakdown.png the plots. Each row says what its timing includes.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import logging
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # name -> (file under the data folder, prefix of the prompt)
 BENCHMARKS = {
@@ -85,9 +90,64 @@ def read_benchmark(name: str, limit: int | None = None) -> list[dict]:
 
 def row_key(r: dict) -> tuple:
     """What makes a row: a rerun into the same directory with another model, PSM, drafter, chain length,
-    length or seed computes new rows instead of reusing these (k and drafter: eagle3 rows only)."""
+    length or seed computes new rows instead of reusing these (k and drafter: eagle3 rows only). The
+    drafter counts by its content (drafter_id), not only by the path it was given: after another PSM is
+    written to the same path, that path's rows are computed again. A row from before drafter ids were
+    recorded has none (None, as rows without a drafter: ar, pipeline, tp), so its spd or eagle3 row is
+    computed again too; its ar, pipeline and tp rows still count."""
     return (r["bench"], r["prompt_index"], r["method"], r["n"], r.get("k"), r["temperature"], r["model"], r["spec"],
-            r.get("drafter"), r["max_new_tokens"], r["seed"])
+            r.get("drafter"), r.get("drafter_id"), r["max_new_tokens"], r["seed"])
+
+
+def drafter_id(model, method: str, n: int, spec=None, drafter=None) -> str | None:
+    """What identifies the drafter a row of (method, n) runs, known before running it: None for the
+    methods without one (ar, pipeline, tp), "random" for an untrained one (seed 0: always the same), else
+    the content of its checkpoint (`store.content_id`), picked as `generate` picks it (`psm_source`: spec,
+    or the PSM shipped for this model and n; `eagle3_source`: drafter, or the one shipped)."""
+    from spd_jax.drafters.store import content_id
+
+    if method == "spd":
+        from spd_jax.decode import pipelined
+
+        src, _ = pipelined.psm_source(model, pipelined.plan_for(model, n), spec)
+    elif method == "eagle3":
+        from spd_jax.api import eagle3_source
+
+        src = eagle3_source(model, drafter)
+    else:
+        return None
+    if src is None:
+        return "random"
+    return content_id(src) if isinstance(src, (str, Path)) else "given"
+
+
+def label_is_dir(label, directory: Path) -> bool:
+    """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
+    "random" / "given" / None) names `directory`."""
+    if not isinstance(label, str) or label in ("random", "given"):
+        return False
+    return Path(label).resolve() == Path(directory).resolve()
+
+
+def rows_of_drafter(rows: list[dict], directory: Path, label_key: str) -> tuple[list[dict], bool]:
+    """The rows (of one method) made with the drafter now in `directory` -> (rows, legacy). A row records
+    the path its drafter was given (label_key: "psm" for spd rows, "drafter_spec" for eagle3's) and what
+    was there (drafter_id); the path alone does not say which drafter it held then (a PSM shipped over an
+    older one keeps the path), so a row counts when its drafter_id is the directory's content now, at
+    whatever path it was evaluated. Rows from before ids were recorded carry none: when no row of this
+    path records one (an evaluation made before them) those rows are taken by their path and legacy is True
+    (the caller warns: they may be an older drafter's); when some row of the path records another id, the
+    rows without one are older still and left out."""
+    from spd_jax.drafters.store import content_id
+
+    want = content_id(directory)
+    mine = [r for r in rows if r.get("drafter_id") == want]
+    if mine:
+        return mine, False
+    at = [r for r in rows if label_is_dir(r.get(label_key), directory)]
+    if any(r.get("drafter_id") is not None for r in at):
+        return [], False
+    return at, bool(at)
 
 
 def method_label(t: dict) -> str:
@@ -354,6 +414,13 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     path = out / "results.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
     done = {row_key(r) for r in rows}
+    known: dict[tuple, str | None] = {}  # (method, n) -> drafter_id: each checkpoint read once
+
+    def id_of(method, n):
+        if (method, n) not in known:
+            known[(method, n)] = drafter_id(model, method, max(n, 1), spec, drafter)
+        return known[(method, n)]
+
     chains = [(1, int(k)) for k in ks]  # eagle3: (n = 1 device, k)
     own = method_ns or {}  # a method's own depths (`spd@8`); the others run at every n of ns
     configs = [(m, n, k) for m in methods
@@ -367,10 +434,18 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
         return dict(drafter=dlabel) if method == "eagle3" else {}
 
     todo = [j for j in jobs if row_key(dict(bench=j[0], prompt_index=j[1], method=j[3], n=j[4], k=j[5],
-                                            temperature=j[6], **same, **eagle3_fields(j[3]))) not in done]
-    # only this setup's rows (and its drafter's eagle3 rows)
+                                            temperature=j[6], **same, **eagle3_fields(j[3]),
+                                            drafter_id=id_of(j[3], j[4]))) not in done]
+    # only this setup's rows (and its drafter's eagle3 rows), made with the drafters there are now: a row of
+    # an older drafter at the same path, or of an unrecorded one, is not pooled with this run's
     rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())
             and (r["method"] != "eagle3" or r.get("drafter") == dlabel)]
+    stale = [r for r in rows if r.get("drafter_id") != id_of(r["method"], r["n"])]
+    if stale:
+        log.warning("%d rows of %s were made with another drafter than the one at their path now (or before drafter "
+                    "ids were recorded): left out of this run's rows and tables (they stay in the file)", len(stale),
+                    path)
+        rows = [r for r in rows if r.get("drafter_id") == id_of(r["method"], r["n"])]
     L = model.config.num_layers
     if write:
         out.mkdir(parents=True, exist_ok=True)
@@ -385,6 +460,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
             cycles = s["rounds"] if method == "eagle3" else s.get("cycles", s["tokens"])
             row = dict(bench=bench, prompt_index=i, method=method, n=n, temperature=temp, **same,
                        **(dict(k=k, drafter=dlabel, drafter_spec=s["drafter_spec"]) if method == "eagle3" else {}),
+                       drafter_id=id_of(method, n),
                        prompt_tokens=s["prompt_tokens"], tokens=s["tokens"], cycles=cycles,
                        alpha=s["tokens"] / cycles if cycles else float("nan"),
                        depth_ratio=(L / max(s["stage_layers"])) if "stage_layers" in s else 1.0,

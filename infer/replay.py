@@ -8,9 +8,10 @@ teacher-forced drafts on it at each (newest token, fill) (`spd_jax.decode.schedu
 pass per fill over the continuations `ar` produced in an `infer.evaluate` run (its rows at T = 0, with
 their token ids) gives, for each PSM given, what the engine would count: tokens, cycles, accepted and
 rejected drafts per prompt, pooled alpha and S0 as `infer.evaluate` pools them, in far less time than
-the cycle-by-cycle engine takes on a CPU host. Where the run also holds `spd` rows of the same PSM path
-and n, each prompt's replayed counts are checked against them (equal up to the float near-ties of two
-different computations of one draft; the PSM must not have changed since).
+the cycle-by-cycle engine takes on a CPU host. Where the run also holds `spd` rows of the same PSM (its
+content, the rows' `drafter_id`; by path for rows made before ids were recorded) and n, each prompt's
+replayed counts are checked against them (equal up to the float near-ties of two different computations
+of one draft).
 
 It also reports, per fill k (tokens in flight when the draft is made), the teacher-forced agreement of
 the drafts with the target over every generated position, and which fills the engine verified: after
@@ -32,6 +33,8 @@ import numpy as np
 BUCKET = 128  # sequences are padded to a multiple of this (few compiled shapes)
 ROWS = 32  # the generated positions scored per sequence are padded to a multiple of this
 BATCH = 4  # sequences per teacher-forced pass: its [B, T, n, T] attention scores must fit in memory
+
+log = logging.getLogger(__name__)
 
 
 def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], list[dict]]:
@@ -92,6 +95,7 @@ def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[i
 def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar: list[dict], max_new: int,
                spd_rows: list[dict], show_progress: bool = True) -> dict:
     """One PSM over the continuations -> its rows (one per prompt), pooled figures and agreement by fill."""
+    from infer.evaluate import rows_of_drafter
     from spd_jax.decode import pipelined
     from spd_jax.decode.schedule import replay_greedy
 
@@ -101,8 +105,13 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
         raise ValueError(f"no PSM to replay: none ships for {model.path.name} at n={n}; pass --psm DIR")
     seqs = [list(p) + list(r["token_ids"]) for p, r in zip(prompts, ar)]
     rights = teacher_forced(model, spec, variables, seqs, [len(p) for p in prompts], show_progress)
-    same = lambda a: a is not None and Path(a).resolve() == Path(label).resolve()  # noqa: E731
-    measured = {(r["bench"], r["prompt_index"]): r for r in spd_rows if same(r.get("psm"))}
+    # the engine's rows of this PSM: by its content (drafter_id), not by the path, which may hold another
+    # PSM now than when the rows were made
+    mine, legacy = rows_of_drafter(spd_rows, Path(label), "psm")
+    if legacy:
+        log.warning("the spd rows of %s record no drafter id (made before ids were recorded): checked against "
+                    "them by path, so a PSM written there since would not match them", label)
+    measured = {(r["bench"], r["prompt_index"]): r for r in mine}
     rows, agree, count = [], np.zeros(n), 0
     for p, r, seq, right in zip(prompts, ar, seqs, rights):
         rep = replay_greedy(n, seq, len(p), right, max_new, model.eos_token_ids)

@@ -124,6 +124,39 @@ def test_card_without_rows_of_its_drafter(tmp_path, capsys):
     assert "holds no row of" in capsys.readouterr().err
 
 
+def test_rows_of_an_older_drafter_at_the_same_path_are_not_this_ones(tmp_path, capsys):
+    """Rows record their drafter's content (drafter_id): after another PSM is exported over the directory,
+    the rows evaluated with the older one at that path are left out, those of this content counted (at
+    any path: a copy is the same PSM). Rows from before ids were recorded count by their path only in an
+    evaluation that records none, with a warning."""
+    from spd_jax.drafters.store import content_id
+
+    run, ev, psm = _psm_run(tmp_path)
+    old = content_id(psm)
+    (psm / "params" / "w").write_bytes(b"\1" * 2 ** 20)  # another PSM exported over it
+    new = content_id(psm)
+    assert new != old
+    ar = _res("ar", 1, cycles=10, depth_ratio=1.0)
+    _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=10, drafter_id=old)  # the older PSM's: S0 7.5
+                + _res("spd", 8, psm=str(psm), cycles=10)  # from before ids: older than the rows with one
+                + _res("spd", 8, count=1, psm=str(psm), drafter_id=new)
+                + [dict(r, prompt_index=1) for r in _res("spd", 8, count=1, psm="/copy/psm", drafter_id=new)] + ar)
+    args = ["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]
+    assert card.main(args) == 0
+    text = (psm / "CARD.md").read_text()
+    assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 |" in text and "7.50" not in text
+    assert "record no drafter id" not in capsys.readouterr().err
+    # only the older PSM's rows: none of this one
+    _write_rows(ev, _res("spd", 8, psm=str(psm), drafter_id=old) + _res("spd", 8, psm=str(psm)) + ar)
+    assert card.main(args) == 0
+    assert "holds no `spd` row of this PSM at n = 8" in (psm / "CARD.md").read_text()
+    # an evaluation from before ids: its rows count by path, with a warning
+    _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=10) + ar)
+    assert card.main(args) == 0
+    assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 1.000 | 7.50 |" in (psm / "CARD.md").read_text()
+    assert "record no drafter id (made before ids were recorded)" in capsys.readouterr().err
+
+
 def test_card_refuses_rows_of_two_setups(tmp_path, capsys):
     run, ev, psm = _psm_run(tmp_path)
     _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("spd", 8, psm=str(psm), max_new_tokens=64))

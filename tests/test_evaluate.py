@@ -62,10 +62,72 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
                               drafter="random")
     assert calls == [] and len(again) == 10
     # another drafter is another setup: its eagle3 rows are to do
+    _fake_drafter(tmp_path / "other", "eagle3.json", 0)
     with pytest.raises(RuntimeError, match="a row to do"):
         evaluate.evaluate(tiny, prompts, ["eagle3"], [2], [0.0], 8, out, spec="random", progress=False, ks=(3,),
                           drafter=str(tmp_path / "other"))
     assert calls[0]["k"] == 3 and calls[0]["drafter_spec"] == str(tmp_path / "other")
+
+
+def _fake_drafter(directory, meta_name, version: int):
+    """A drafter directory as `store.content_id` reads it (its json and params/), version making its content."""
+    (directory / "params").mkdir(parents=True, exist_ok=True)
+    (directory / meta_name).write_text(json.dumps(dict(format=2)))
+    (directory / "params" / "w").write_bytes(bytes([version]) * 64)
+
+
+def test_a_changed_drafter_at_the_same_path_is_computed_again(tiny, tmp_path, monkeypatch, caplog):
+    """Every row records its drafter's content (drafter_id): after another PSM or EAGLE-3 drafter is
+    written to the same path, a rerun into the same --out computes that path's rows again and returns
+    only the new ones; rows from before ids were recorded are computed again too (their drafter is
+    unknown), while ar rows (no drafter) are still reused."""
+    from types import SimpleNamespace
+
+    from spd_jax.drafters.store import content_id
+
+    psm, drafter = tmp_path / "psm", tmp_path / "drafter"
+    _fake_drafter(psm, "psm.json", 0)
+    _fake_drafter(drafter, "eagle3.json", 0)
+    calls = []
+    fake = dict(tokens=4, cycles=2, rounds=2, prompt_tokens=2, wall_s=1.0, tokens_per_s=4.0, compile_s=0.0,
+                compile_from="x", timing_includes="x", backend="cpu")
+
+    def generate(model, ids, max_new, method, n, **kw):
+        calls.append(method)
+        stats = dict(fake, drafter_spec=kw.get("drafter_spec"), psm=str(kw["spec"]) if method == "spd" else None)
+        return SimpleNamespace(stats=stats, token_ids=[3])
+
+    monkeypatch.setattr(spd_jax, "generate", generate)
+    out = tmp_path / "eval"
+
+    def run():
+        calls.clear()
+        return evaluate.evaluate(tiny, {"b": [{"ids": [1, 2]}]}, ["ar", "spd", "eagle3"], [2], [0.0], 4, out,
+                                 spec=str(psm), progress=False, ks=(3,), drafter=str(drafter))
+
+    first = run()
+    assert calls == ["ar", "spd", "eagle3"]
+    assert {r["method"]: r["drafter_id"] for r in first} == dict(ar=None, spd=content_id(psm),
+                                                                 eagle3=content_id(drafter))
+    assert len(run()) == 3 and calls == []  # the same drafters: every row reused
+    old_psm = content_id(psm)
+    _fake_drafter(psm, "psm.json", 1)  # another PSM shipped to the same path
+    assert content_id(psm) != old_psm
+    with caplog.at_level("WARNING"):
+        again = run()
+    assert calls == ["spd"] and "1 rows of" in caplog.text
+    assert sorted(r["method"] for r in again) == ["ar", "eagle3", "spd"]  # the old spd row is not pooled
+    assert next(r for r in again if r["method"] == "spd")["drafter_id"] == content_id(psm)
+    _fake_drafter(drafter, "eagle3.json", 1)
+    assert len(run()) == 3 and calls == ["eagle3"]
+    # rows written before drafter ids: their drafter is unknown, so spd and eagle3 rows are done again
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    (out / "results.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "drafter_id"}) + "\n"
+                                               for r in rows))
+    assert len(run()) == 3 and calls == ["spd", "eagle3"]
+    assert evaluate.drafter_id(tiny, "spd", 2, "random") == evaluate.drafter_id(tiny, "eagle3", 1) == "random"
+    with pytest.raises(FileNotFoundError, match="not a drafter checkpoint"):
+        evaluate.drafter_id(tiny, "spd", 2, str(tmp_path / "nothing"))
 
 
 def test_a_method_may_carry_its_own_depths(tiny, tmp_path, monkeypatch):

@@ -84,7 +84,8 @@ def test_psm_drafts_by_fill_replay_the_engines_run(deep, reference, n):
 
 def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     """infer.replay over an infer.evaluate run: every prompt's replayed counts equal the engine's spd
-    row, and so do the pooled alpha and S0; tables and plot are written."""
+    row, and so do the pooled alpha and S0; tables and plot are written. After another PSM is written to
+    the same path, the run's spd rows (of the old one) are not checked against it."""
     import json
 
     from infer import evaluate, replay
@@ -108,6 +109,15 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     assert pooled["S0"] == pytest.approx(sum(r["tokens"] for r in spd) / sum(r["cycles"] for r in spd) * spec.n)
     assert len(res["agreement_by_fill"]) == n and (out / "replay" / "replay.png").stat().st_size > 0
     assert "3/3 prompts equal" in (out / "replay" / "replay.md").read_text()
+    # another PSM written to the same path: the engine's rows are the old one's (their drafter_id), not
+    # checked against this one's replay
+    import shutil
+
+    shutil.rmtree(psm)
+    save_psm(psm, init_psm(deep.config, spec, deep.params, seed=6), spec)
+    assert replay.main(["--from", str(out), "--model", str(deep.path), "--psm", str(psm), "--n", str(n)]) == 0
+    res = json.loads((out / "replay" / "replay.json").read_text())["results"][0]
+    assert res["pooled"]["all"]["engine_checked"] == 0 and "no spd rows" in (out / "replay" / "replay.md").read_text()
     with pytest.raises(SystemExit):
         replay.main(["--n", "4"])  # --from is required
     assert replay.main(["--from", str(tmp_path / "none")]) == 2

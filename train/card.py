@@ -18,9 +18,10 @@ directory is gone):
     python -m train.card --eval runs/eval-11 --psm spd_jax/psms/smollm2-135m-instruct-n8
 
 The evaluation table holds only this drafter's rows (`spd` rows at the PSM's n whose PSM is DRAFTER, or
-`eagle3` rows whose drafter is DRAFTER), with the `ar` rows of the same setup (model, max_new_tokens,
-seed, backend) for reference; EVAL rows of more than one setup for this drafter are refused (evaluate
-each setup into its own --out).
+`eagle3` rows whose drafter is DRAFTER: by the content the rows record, `drafter_id`, so an older drafter
+evaluated at the same path is not reported as this one; rows from before ids were recorded by their
+path), with the `ar` rows of the same setup (model, max_new_tokens, seed, backend) for reference; EVAL
+rows of more than one setup for this drafter are refused (evaluate each setup into its own --out).
 """
 
 from __future__ import annotations
@@ -38,21 +39,26 @@ SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one e
 def _is_dir(label, directory: Path) -> bool:
     """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
     "random" / "given" / None) names `directory`."""
-    if not isinstance(label, str) or label in ("random", "given"):
-        return False
-    return Path(label).resolve() == directory.resolve()
+    from infer.evaluate import label_is_dir
+
+    return label_is_dir(label, directory)
 
 
 def drafter_rows(rows: list[dict], meta: dict, directory: Path, eagle: bool) -> tuple[list[dict], dict | None]:
     """The results.jsonl rows of the drafter in `directory` (meta: its psm.json, or eagle3.json when
     `eagle`): a PSM's `spd` rows at its n, or an EAGLE-3 drafter's `eagle3` rows, plus the `ar` rows of
-    their setup. -> (rows, setup); ([], None) when there is no row of this drafter; ValueError when its
-    rows are of more than one setup."""
+    their setup. A row is this drafter's by its content (`infer.evaluate.rows_of_drafter`: its drafter_id
+    is the directory's content now), so the rows of an older drafter at the same path are left out; rows
+    made before ids were recorded count by their path where no row of it records one (with a warning).
+    -> (rows, setup); ([], None) when there is no row of this drafter; ValueError when its rows are of
+    more than one setup."""
+    from infer.evaluate import rows_of_drafter
+
     if eagle:
-        mine = [r for r in rows if r["method"] == "eagle3" and _is_dir(r.get("drafter_spec"), directory)]
+        mine, legacy = rows_of_drafter([r for r in rows if r["method"] == "eagle3"], directory, "drafter_spec")
     else:
         n = len(meta["plan"])
-        mine = [r for r in rows if r["method"] == "spd" and r["n"] == n and _is_dir(r.get("psm"), directory)]
+        mine, legacy = rows_of_drafter([r for r in rows if r["method"] == "spd" and r["n"] == n], directory, "psm")
     setups = sorted({tuple(r.get(k) for k in SETUP) for r in mine}, key=repr)
     if not setups:
         return [], None
@@ -60,6 +66,9 @@ def drafter_rows(rows: list[dict], meta: dict, directory: Path, eagle: bool) -> 
         listed = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SETUP, s)) for s in setups)
         raise ValueError(f"the evaluation holds {directory}'s rows of {len(setups)} setups ({listed}): a card "
                          "reports one; evaluate each setup into its own infer.evaluate --out and pass that as --eval")
+    if legacy:
+        print(f"warning: the evaluation's rows of {directory} record no drafter id (made before ids were recorded): "
+              "taken by their path, so they may be an older drafter's that was there", file=sys.stderr)
     return mine + [r for r in rows if r["method"] == "ar" and tuple(r.get(k) for k in SETUP) == setups[0]], \
         dict(zip(SETUP, setups[0]))
 
