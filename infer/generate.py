@@ -87,10 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "width (tp)")
     ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
-    ap.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
-                                                 "for the default model at this n, else a random one)")
-    ap.add_argument("--random-psm", action="store_true",
-                    help="spd with a randomly initialised PSM (lossless, few drafts accepted: for testing)")
+    psm = ap.add_mutually_exclusive_group()
+    psm.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
+                                                  "for the default model at this n and stage plan)")
+    psm.add_argument("--random-psm", action="store_true",
+                     help="spd with a randomly initialised PSM (lossless, few drafts accepted: for testing); "
+                          "needed where no trained PSM ships")
     ap.add_argument("--psm-layers", type=int, default=2, help="decoder layers of a random PSM")
     ap.add_argument("--psm-placement", type=_placement, default="auto",
                     help="where the PSM body runs (spd): auto (the stage the cost model predicts makes the shortest "
@@ -178,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             texts = args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT])
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
-        # no --spec: the API takes the PSM shipped for this model and n, else a random one (with a notice)
         spec = "random" if args.random_psm else args.spec
+        if args.mode == "spd" and spec is None:  # a random PSM only when asked for (the API would fall back)
+            from spd_jax.decode.pipelined import plan_for, psm_source
+
+            found, why = psm_source(model, plan_for(model, args.n, args.stages), None)
+            if found is None:
+                raise ValueError(f"no trained PSM to run: {why}; pass --spec DIR (a PSM train.main exported for this "
+                                 "model, n and stage plan) or --random-psm (output still exact, few drafts accepted)")
         for text, ids in jobs:
             stream = None if args.json or args.mode not in ("ar", "tp") or cluster else _TextStream(model)
             if leader and not args.json:

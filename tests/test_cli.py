@@ -65,6 +65,12 @@ def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
     assert p.returncode == 2 and "has no tokenizer" in p.stderr
     p = run_cli("--model", str(path), "--prompt-ids", "1,2", check=False)  # default: spd, n=8 > 4 layers
     assert p.returncode == 2 and "n=8 pipeline stages for a model of 4 layers" in p.stderr
+    # no PSM ships for this model: spd runs a random one only when asked for
+    p = run_cli("--model", str(path), "--n", "2", "--prompt-ids", "1,2", check=False)
+    assert p.returncode == 2 and "none ships for this model at this n" in p.stderr and "--random-psm" in p.stderr
+    p = run_cli("--model", str(path), "--n", "2", "--spec", str(tmp_path), "--random-psm", "--prompt-ids", "1,2",
+                check=False)
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr
 
 
 def test_prompt_file_reads_plain_and_jsonl(tmp_path):
