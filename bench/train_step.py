@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spd_jax.sharding import data_model_mesh, put
-    from spd_jax.drafters.psm import PSMConfig, anchor_states
+    from spd_jax.drafters.psm import PSMConfig, teacher_states
     from train import loop
 
     model = spd_jax.load_model(args.model)
@@ -81,11 +81,8 @@ def main(argv=None) -> int:
 
         @jax.jit
         def teacher(target, tokens):
-            cache = decoder.init_cache(model.config, *tokens.shape, target["embed"].dtype)
-            emb = decoder.embed(target, tokens)
-            x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), model.config,
-                                              collect_hidden=True)
-            return anchor_states(emb, hidden, spec.anchors), decoder.lm_logits(target, x, model.config)
+            h, x = teacher_states(target, tokens, model.config, spec.anchors)
+            return h, decoder.lm_logits(target, x, model.config)
 
         tokens = jnp.asarray(batch["tokens"])
         jax.block_until_ready(teacher(target, tokens))

@@ -18,7 +18,7 @@ import spd_jax
 from spd_jax.decode import chain, vocab
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.drafters import eagle3
-from spd_jax.drafters.base import NoDrafter, OracleDrafter, features
+from spd_jax.drafters.base import NoDrafter, OracleDrafter, features, split_params
 from spd_jax.models import decoder
 
 from tolerances import CACHED_VS_FULL, assert_close
@@ -244,7 +244,7 @@ def test_eagle3_loss_decreases(tiny_ckpt):
     model = spd_jax.load_model(tiny_ckpt("llama", False, **_MODELS["llama"])[0])
     cfg = model.config
     spec = eagle3.Eagle3Config.for_target(cfg)
-    trainable, frozen = eagle3.split_params(eagle3.init_eagle3(cfg, spec, model.params, seed=0))
+    trainable, frozen = split_params(eagle3.init_eagle3(cfg, spec, model.params, seed=0))
     rng = np.random.default_rng(0)
     batch = dict(tokens=jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 16)), jnp.int32),
                  mask=jnp.asarray(np.arange(16) >= 4)[None].repeat(2, 0))  # the "prompt" carries no loss

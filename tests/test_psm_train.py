@@ -17,8 +17,9 @@ import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
-from spd_jax.drafters.psm import (PSM, PSMConfig, anchor_states, deal_fills, fill_counts, fill_weights, group_sizes,
-                                  init_psm, row_types)
+from spd_jax.drafters.base import anchor_states
+from spd_jax.drafters.psm import (PSM, PSMConfig, deal_fills, fill_counts, fill_weights, group_sizes, init_psm,
+                                  row_types)
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
 T = 20

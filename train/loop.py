@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
+from spd_jax.drafters.base import join_params, split_params
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import PSM, PSMConfig, deal_fills, fill_weights, init_psm, psm_axes, teacher_states
@@ -342,19 +343,6 @@ def drafter_spec(model, tc: TrainConfig) -> Spec:
 def export_name(spec: Spec) -> str:
     """The run directory's subdirectory the trained drafter is exported to."""
     return "drafter" if isinstance(spec, Eagle3Config) else "psm"
-
-
-def split_params(variables: dict) -> tuple[dict, dict]:
-    """Drafter variables (PSM or EAGLE-3) -> (trainable params, frozen variables): the LM head is the
-    target's (its draft vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
-    p = dict(variables["params"])
-    head = p.pop("lm_head")
-    return p, {**variables, "params": {"lm_head": head}}
-
-
-def join_params(trainable: dict, frozen: dict) -> dict:
-    """The inverse of `split_params`: the drafter's variables."""
-    return {**frozen, "params": {**trainable, **frozen["params"]}}
 
 
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,

@@ -105,12 +105,48 @@ class SpdDrafter(Protocol):
         """-> (the draft token for position cycle.t + 1, its q (`ops.choose`'s), state)."""
 
 
+# ---------------------------------------------------------------- what drafters read of the target
+
+
+def teacher_forward(target: dict, tokens: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The target teacher-forced on tokens [B, T] from position 0 -> (embedding [B, T, H], every layer's
+    output [L, B, T, H], the last layer's output [B, T, H] before the final norm), in the dtype of
+    target's weights: what a drafter's training reads its features and its teacher's logits from."""
+    from spd_jax.models import decoder  # the model's math; the interfaces above need none of it
+
+    B, T = tokens.shape
+    cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
+    emb = decoder.embed(target, tokens)
+    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    return emb, hidden, x
+
+
+def anchor_states(emb: jax.Array, hidden: jax.Array | None, anchors: Sequence[int]) -> jax.Array:
+    """emb [B, T, H] and hidden [L, B, T, H] (output of every layer, `run_layers(collect_hidden=True)`)
+    -> [B, T, m, H] with entry a = h_{b_a} (h_0 the embedding, h_k the output of layer k-1)."""
+    if not anchors:
+        return jnp.zeros((*emb.shape[:2], 0, emb.shape[-1]), emb.dtype)
+    return jnp.stack([emb if b == 0 else hidden[b - 1] for b in anchors], axis=2)
+
+
 def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) -> jax.Array:
-    """emb [B, T, H], hidden [L, B, T, H] (every layer's output, `run_layers(collect_hidden=True)`) ->
-    [B, T, len(layers) * H]: h_l for each l in layers, concatenated ([B, T, 0] for no layers)."""
-    if not layers:
-        return jnp.zeros((*emb.shape[:2], 0), emb.dtype)
-    return jnp.concatenate([emb if b == 0 else hidden[b - 1] for b in layers], axis=-1)
+    """`anchor_states` at layers, flattened: [B, T, len(layers) * H], h_l for each l in layers side by
+    side (the EAGLE-3 fusion's input; [B, T, 0] for no layers)."""
+    h = anchor_states(emb, hidden, layers)
+    return h.reshape(*h.shape[:2], -1)
+
+
+def split_params(variables: dict) -> tuple[dict, dict]:
+    """Drafter variables (PSM or EAGLE-3) -> (trainable params, frozen variables): the LM head is the
+    target's (its draft vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
+    p = dict(variables["params"])
+    head = p.pop("lm_head")
+    return p, {**variables, "params": {"lm_head": head}}
+
+
+def join_params(trainable: dict, frozen: dict) -> dict:
+    """The inverse of `split_params`: the drafter's variables."""
+    return {**frozen, "params": {**trainable, **frozen["params"]}}
 
 
 class _Stateless:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
-from spd_jax.drafters.base import features
+from spd_jax.drafters.base import features, join_params, teacher_forward
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
 from spd_jax.models import decoder, schema
@@ -289,18 +289,6 @@ def eagle3_axes(cfg: ModelConfig, spec: Eagle3Config) -> dict:
 # ---------------------------------------------------------------- training
 
 
-def split_params(variables: dict) -> tuple[dict, dict]:
-    """-> (trainable params, frozen variables): the LM head is the target's, shared and frozen (as
-    `train.loop.split_params` splits a PSM's)."""
-    p = dict(variables["params"])
-    head = p.pop("lm_head")
-    return p, {**variables, "params": {"lm_head": head}}
-
-
-def join_params(trainable: dict, frozen: dict) -> dict:
-    return {**frozen, "params": {**trainable, **frozen["params"]}}
-
-
 def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig, spec: Eagle3Config, tau: float = 1.0,
                 steps: int = 3):
     """The training-time-test loss, with `train.loop.psm_loss`'s conventions -> (sum of the masked KL,
@@ -314,13 +302,10 @@ def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig
     agree_by_step and positions_by_step [steps], the same per unrolled step."""
     del keys
     tokens, mask = batch["tokens"], batch["mask"]
-    B, T = tokens.shape
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                              join_params(trainable, frozen))
-    cache = decoder.init_cache(cfg, B, T, cd)
-    emb = decoder.embed(target, tokens)
-    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    emb, hidden, x = teacher_forward(target, tokens, cfg)
     feats = jax.lax.stop_gradient(features(emb, hidden, spec.layers))
     teacher = jax.lax.stop_gradient(decoder.lm_logits(target, x, cfg))  # [B, T, V]
     student = Eagle3(cfg, spec).apply(variables, feats, jax.lax.stop_gradient(emb), steps,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.drafters.base import anchor_states, teacher_forward
 from spd_jax.drafters.store import restore_variables
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
@@ -127,19 +128,10 @@ def row_types(spec: PSMConfig, depth: jax.Array, completed: jax.Array) -> jax.Ar
     return jnp.where(completed, spec.m - 1, stair[jnp.clip(depth, 0, spec.n)])
 
 
-def anchor_states(emb: jax.Array, hidden: jax.Array, anchors: Sequence[int]) -> jax.Array:
-    """emb [B, T, H] and hidden [L, B, T, H] (output of every layer, `run_layers(collect_hidden=True)`)
-    -> [B, T, m, H] with entry a = h_{b_a} (h_0 the embedding, h_k the output of layer k-1)."""
-    return jnp.stack([emb if b == 0 else hidden[b - 1] for b in anchors], axis=2)
-
-
 def teacher_states(target: dict, tokens: jax.Array, cfg: ModelConfig, anchors: Sequence[int]):
     """The frozen target teacher-forced on tokens [B, T] -> (anchor states [B, T, m, H], the last layer's
     output [B, T, H], before the final norm): what a PSM reads and what its teacher's logits come from."""
-    B, T = tokens.shape
-    cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
-    emb = decoder.embed(target, tokens)
-    x, _, hidden = decoder.run_layers(target["layers"], emb, cache, jnp.int32(0), cfg, collect_hidden=True)
+    emb, hidden, x = teacher_forward(target, tokens, cfg)
     return anchor_states(emb, hidden, anchors), x
 
 
