@@ -180,6 +180,31 @@ def test_gradient_accumulation_takes_the_whole_batch_step(llama):
         loop.make_step(llama.config, spec, tc4, loop.make_optimizer(tc4), mesh)(acc, frozen, llama.params, micro[0])
 
 
+def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
+    """hard_weight=w: the loss is the KL plus w x the PSM's cross-entropy on the teacher's argmax, the
+    logged KL unchanged; top1_ce against numpy."""
+    from spd_jax.drafters.objective import top1_ce
+
+    rng = np.random.default_rng(3)
+    student, teacher = rng.normal(size=(2, 5, 11)).astype(np.float32), rng.normal(size=(2, 5, 11)).astype(np.float32)
+    logq = student - np.log(np.exp(student).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logq, teacher.argmax(-1)[..., None], -1)[..., 0]
+    assert_close(np.asarray(top1_ce(jnp.asarray(student), jnp.asarray(teacher))), want, CACHED_VS_FULL, what="top1_ce")
+
+    tc, spec, opt = _setup(llama)
+    state, frozen = loop.init_state(llama, spec, tc, opt)
+    batch = loop.Batches(_corpus(llama.config.vocab_size), tc).get(0)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(8))
+    out = {w: jax.jit(loop.loss_fn(llama.config, spec, dataclasses.replace(tc, hard_weight=w)))(
+        state["params"], frozen, llama.params, batch, keys) for w in (0.0, 0.5, 1.0)}
+    (soft, sums), (half, sums_half), (one, _) = out[0.0], out[0.5], out[1.0]
+    assert float(soft) == float(sums["kl_sum"]) == float(sums_half["kl_sum"])
+    ce = float(one) - float(soft)  # the summed cross-entropy over the loss positions
+    assert ce > 0 and float(half) - float(soft) == pytest.approx(0.5 * ce, rel=1e-5)
+    with pytest.raises(ValueError, match="hard_weight is a term of the PSM's loss"):
+        loop.TrainConfig.from_dict(dict(method="eagle3", hard_weight=0.5))
+
+
 def test_checkpoint_roundtrip_and_resume(llama, tmp_path):
     deep = llama
     tc, spec, opt = _setup(deep)
@@ -329,8 +354,9 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     assert rec == dict(path=str(tmp_path / "psm"), plan=list(spec.plan), anchors=list(spec.anchors))
     warm, frozen = loop.init_state(llama, spec, tc3, opt)
     train_main._export(tmp_path / "psm2", loop.join_params(warm["params"], frozen), spec, tc3, {}, "1x1", 0, 0, 0.0,
-                       rec)
-    assert json.loads((tmp_path / "psm2" / "psm.json").read_text())["trained"]["warm_start"] == rec
+                       llama.weights_fingerprint, rec)
+    exported = json.loads((tmp_path / "psm2" / "psm.json").read_text())
+    assert exported["trained"]["warm_start"] == rec and exported["target_weights"] == llama.weights_fingerprint
     assert loop.warm_start_record(tmp_path / "psm2")["warm_start"] == rec  # a chain stays whole
 
 

@@ -41,7 +41,7 @@ from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.base import join_params, split_params
 from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.objective import distill_kl
+from spd_jax.drafters.objective import distill_kl, top1_ce
 from spd_jax.drafters.psm import PSM, PSMConfig, deal_fills, fill_weights, init_psm, psm_axes, teacher_states
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 1.0
     tau: float = 1.0
+    # weight of a cross-entropy term on the teacher's argmax added to the KL (0: the KL alone, the
+    # reference's objective); the logged loss stays the KL
+    hard_weight: float = 0.0
     # The simulated pipeline fills (psm.fill_weights): None, the paper's (a full pipeline half the time);
     # p in (0, 1), the fills the greedy engine verifies when each draft is accepted with probability p
     fill_accept: float | None = None
@@ -140,6 +143,9 @@ class TrainConfig:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {cfg.responses!r}")
         if cfg.ttt_steps < 1 or cfg.eval_k < 1:
             raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
+        if cfg.hard_weight and cfg.method != "psm":
+            raise ValueError(f"hard_weight is a term of the PSM's loss; method {cfg.method!r} trains on the KL alone "
+                             "(set hard_weight=0)")
         if cfg.teacher_cache and cfg.method != "psm":
             raise ValueError(f"teacher_cache holds a PSM's anchor states; method {cfg.method!r} reads other features "
                              "(set teacher_cache=false)")
@@ -150,15 +156,15 @@ class TrainConfig:
         counts = ("psm_layers", "batch_size", "grad_accum", "steps", "eval_every", "save_every", "keep",
                   "log_every", "distill_batch")
         bad = [f"{k}={getattr(cfg, k)}" for k in counts if getattr(cfg, k) < 1]
-        bad += [f"{k}={getattr(cfg, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab")
-                if getattr(cfg, k) < 0]
+        bad += [f"{k}={getattr(cfg, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab",
+                                                   "hard_weight") if getattr(cfg, k) < 0]
         bad += [f"{k}={getattr(cfg, k)}" for k in ("lr", "tau", "clip") if not getattr(cfg, k) > 0]
         if cfg.limit is not None and cfg.limit < 1:
             bad.append(f"limit={cfg.limit}")
         if bad:
             raise ValueError(f"training config {', '.join(bad)}: {', '.join(counts)} must be at least 1; warmup, "
-                             "heldout, eval_prompts, eval_tokens and draft_vocab at least 0; lr, tau and clip above 0; "
-                             "limit at least 1 or null")
+                             "heldout, eval_prompts, eval_tokens, draft_vocab and hard_weight at least 0; lr, tau "
+                             "and clip above 0; limit at least 1 or null")
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
         return cfg
@@ -346,8 +352,9 @@ def export_name(spec: Spec) -> str:
 
 
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
-             fill_accept: float | None = None):
-    """-> (sum of the masked KL, metrics sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q]
+             fill_accept: float | None = None, hard_weight: float = 0.0):
+    """-> (sum of the masked KL (plus hard_weight x the cross-entropy on the teacher's argmax), metrics
+    sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q]
     int32 and query_mask [B, Q] bool, the positions t that predict a response token. keys [B]: one per
     sequence, so the simulated fills of a sequence do not depend on how the batch is split over devices
     (they do depend on Q: `psm.deal_fills`). The frozen target runs on all T positions (the PSM's chain
@@ -382,7 +389,8 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     # against the unrestricted teacher: what greedy verification would accept
     agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
     kl_sum = (kl * w).sum()
-    return kl_sum, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
+    loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * w).sum() if hard_weight else kl_sum
+    return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
 
 
 def compute_target(model, tc: TrainConfig) -> dict:
@@ -413,7 +421,8 @@ def loss_fn(cfg, spec: Spec, tc: TrainConfig):
     metric sums): `psm_loss`, or `eagle3.eagle3_loss` unrolling tc.ttt_steps draft steps."""
     if isinstance(spec, Eagle3Config):
         return functools.partial(eagle3.eagle3_loss, cfg=cfg, spec=spec, tau=tc.tau, steps=tc.ttt_steps)
-    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau, fill_accept=tc.fill_accept)
+    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.tau, fill_accept=tc.fill_accept,
+                             hard_weight=tc.hard_weight)
 
 
 def frozen_axes(cfg, spec: Spec) -> dict:
