@@ -120,7 +120,8 @@ CONFIGS = [  # (label, infer.generate flags, pin to one core, processes)
 def measure(args, prompt_file: Path) -> list[dict]:
     from spd_jax.progress import progress_bar
 
-    spec = ["--random-psm"] if args.random_psm else (["--spec", args.spec] if args.spec else [])
+    # no PSM ships for n = 2: a random one unless --spec gives one (generate asks for it explicitly)
+    spec = ["--spec", args.spec] if args.spec and not args.random_psm else ["--random-psm"]
     out = []
     for label, flags, pin, procs in progress_bar(CONFIGS, desc="wallclock", unit="config"):
         cmd = [sys.executable, "-m", "infer.generate", "--json", "--model", args.model, "--prompt-file",
@@ -194,8 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", default="mt_bench", help="benchmark whose first prompts are used (infer.evaluate's)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--spec", default=None, help="PSM checkpoint for n=2 (default: the shipped one if any, else random)")
-    ap.add_argument("--random-psm", action="store_true")
+    ap.add_argument("--spec", default=None, help="PSM checkpoint for n=2 (default: a random PSM, as none ships for n=2)")
+    ap.add_argument("--random-psm", action="store_true", help="a random PSM for n=2 (the default without --spec)")
     ap.add_argument("--psm-layers", type=int, default=2)
     ap.add_argument("--context", type=int, default=256, help="context length of the per-part profile")
     ap.add_argument("--out", default="runs/wallclock")
