@@ -137,13 +137,22 @@ def rows_of_drafter(rows: list[dict], directory: Path, label_key: str) -> tuple[
     whatever path it was evaluated. Rows from before ids were recorded carry none: when no row of this
     path records one (an evaluation made before them) those rows are taken by their path and legacy is True
     (the caller warns: they may be an older drafter's); when some row of the path records another id, the
-    rows without one are older still and left out."""
+    rows without one are older still and left out. One row per (benchmark, prompt, method, n, k, T): the
+    same drafter evaluated under two paths (given by --spec, then shipped) counts once, the row under
+    `directory` first."""
     from spd_jax.drafters.store import content_id
 
     want = content_id(directory)
-    mine = [r for r in rows if r.get("drafter_id") == want]
-    if mine:
-        return mine, False
+    mine = sorted((r for r in rows if r.get("drafter_id") == want),
+                  key=lambda r: not label_is_dir(r.get(label_key), directory))  # stable: this path's rows first
+    seen, unique = set(), []
+    for r in mine:
+        key = (r["bench"], r["prompt_index"], r["method"], r["n"], r.get("k"), r["temperature"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    if unique:
+        return unique, False
     at = [r for r in rows if label_is_dir(r.get(label_key), directory)]
     if any(r.get("drafter_id") is not None for r in at):
         return [], False

@@ -146,6 +146,11 @@ def test_rows_of_an_older_drafter_at_the_same_path_are_not_this_ones(tmp_path, c
     text = (psm / "CARD.md").read_text()
     assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 0.500 | 3.75 |" in text and "7.50" not in text
     assert "record no drafter id" not in capsys.readouterr().err
+    # the same PSM evaluated for the same prompts under another path too: each prompt counts once, this path's row
+    _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=10, drafter_id=new)
+                + _res("spd", 8, psm="/copy/psm", cycles=5, drafter_id=new) + ar)
+    assert card.main(args) == 0
+    assert "| gsm8k | spd | 8 | 0 | 2 | 20 | 1.000 | 7.50 |" in (psm / "CARD.md").read_text()
     # only the older PSM's rows: none of this one
     _write_rows(ev, _res("spd", 8, psm=str(psm), drafter_id=old) + _res("spd", 8, psm=str(psm)) + ar)
     assert card.main(args) == 0
@@ -244,8 +249,10 @@ def test_merge_card_edge_cases():
 
 @pytest.mark.parametrize("label", ["random", "given", None])
 def test_untrained_or_unnamed_drafters_are_not_this_one(tmp_path, label):
-    assert not card._is_dir(label, tmp_path)
-    assert card._is_dir(str(tmp_path / "a" / ".."), tmp_path)
+    from infer.evaluate import label_is_dir
+
+    assert not label_is_dir(label, tmp_path)
+    assert label_is_dir(str(tmp_path / "a" / ".."), tmp_path)
 
 
 def test_eagle3_card(tmp_path):

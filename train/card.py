@@ -36,14 +36,6 @@ from pathlib import Path
 SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share
 
 
-def _is_dir(label, directory: Path) -> bool:
-    """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
-    "random" / "given" / None) names `directory`."""
-    from infer.evaluate import label_is_dir
-
-    return label_is_dir(label, directory)
-
-
 def drafter_rows(rows: list[dict], meta: dict, directory: Path, eagle: bool) -> tuple[list[dict], dict | None]:
     """The results.jsonl rows of the drafter in `directory` (meta: its psm.json, or eagle3.json when
     `eagle`): a PSM's `spd` rows at its n, or an EAGLE-3 drafter's `eagle3` rows, plus the `ar` rows of
