@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -157,8 +158,8 @@ class TrainConfig:
                   "log_every", "distill_batch")
         bad = [f"{k}={getattr(cfg, k)}" for k in counts if getattr(cfg, k) < 1]
         bad += [f"{k}={getattr(cfg, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab",
-                                                   "hard_weight") if getattr(cfg, k) < 0]
-        bad += [f"{k}={getattr(cfg, k)}" for k in ("lr", "tau", "clip") if not getattr(cfg, k) > 0]
+                                                   "hard_weight") if not 0 <= getattr(cfg, k) < math.inf]
+        bad += [f"{k}={getattr(cfg, k)}" for k in ("lr", "tau", "clip") if not 0 < getattr(cfg, k) < math.inf]
         if cfg.limit is not None and cfg.limit < 1:
             bad.append(f"limit={cfg.limit}")
         if bad:
@@ -389,7 +390,12 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     # against the unrestricted teacher: what greedy verification would accept
     agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
     kl_sum = (kl * w).sum()
-    loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * w).sum() if hard_weight else kl_sum
+    loss = kl_sum
+    if hard_weight:
+        # only where the teacher's token is in the draft vocabulary: elsewhere no draft is accepted, and
+        # the restricted argmax would teach a token verification rejects
+        hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == jnp.argmax(teacher, -1))
+        loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * hit).sum()
     return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
 
 
@@ -448,8 +454,8 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     it; the PSM's trained weights and optimizer state are replicated (a few layers: small next to the
     target). The loss is the mean over the update's response positions, so the gradient all-reduce over
     `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
-    With grad_accum > 1 the micro-batches' gradient and metric sums are added up (one compiled program
-    per bucket, its accumulator donated) before one division and one update: the update a batch of
+    With grad_accum > 1 the micro-batches' gradient and metric sums are added up (two compiled programs
+    per bucket pair, the first micro-batch's and the others', the accumulator donated) before one division and one update: the update a batch of
     grad_accum x batch_size sequences would take, with the same random fills per sequence.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes

@@ -197,8 +197,12 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
             raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
     run = dict(recorded)  # what this command appends to run.json: {} for a new run
     # what init_from held at the run's start, kept with the run and its exports (the directory may change);
-    # a run recorded before the record existed gets today's contents of the directory
-    warm_start = run.get("warm_start") or (loop.warm_start_record(tc.init_from) if tc.init_from else None)
+    # a run recorded before the record existed gets today's contents of the directory, or only its path
+    # when a resume or export finds it gone (their weights are the checkpoint's, not init_from's)
+    warm_start = run.get("warm_start")
+    if warm_start is None and tc.init_from:
+        gone = (args.resume or args.export) and not Path(tc.init_from).is_dir()
+        warm_start = dict(path=str(tc.init_from)) if gone else loop.warm_start_record(tc.init_from)
     if leader:
         out.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["python -m train.main", *argv])
