@@ -355,13 +355,12 @@ def export_name(spec: Spec) -> str:
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
              fill_accept: float | None = None, hard_weight: float = 0.0):
     """-> (sum of the masked KL (plus hard_weight x the cross-entropy on the teacher's argmax), metrics
-    sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q]
-    int32 and query_mask [B, Q] bool, the positions t that predict a response token. keys [B]: one per
-    sequence, so the simulated fills of a sequence do not depend on how the batch is split over devices
-    (they do depend on Q: `psm.deal_fills`). The frozen target runs on all T positions (the PSM's chain
-    reads them all); the PSM's groups, both heads and the KL only on the queries. A batch that carries
-    the target's features (anchor_states [B, T, m, H], final_hidden [B, T, H]: `teacher_states`'
-    outputs, from the teacher cache) skips that forward."""
+    sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q] int32 and query_mask [B, Q] bool, the
+    positions t that predict a response token. keys [B]: one per sequence, so the simulated fills of a
+    sequence do not depend on how the batch is split over devices (they do depend on Q: `psm.deal_fills`).
+    The frozen target runs on all T positions (the PSM's chain reads them all); the PSM's groups, both heads
+    and the KL only on the queries. A batch that carries the target's features (anchor_states [B, T, m, H],
+    final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward."""
     tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
@@ -455,8 +454,9 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     target). The loss is the mean over the update's response positions, so the gradient all-reduce over
     `data` and the matmul all-reduces over `model` are XLA's, and every device applies the same update.
     With grad_accum > 1 the micro-batches' gradient and metric sums are added up (two compiled programs
-    per bucket pair, the first micro-batch's and the others', the accumulator donated) before one division and one update: the update a batch of
-    grad_accum x batch_size sequences would take, with the same random fills per sequence.
+    per bucket pair, the first micro-batch's and the others', the accumulator donated) before one
+    division and one update: the update a batch of grad_accum x batch_size sequences would take, with
+    the same random fills per sequence.
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
     above 1 (e.g. 4x2) stalls in XLA:CPU's collectives (re-checked with this GSPMD step; the same

@@ -314,6 +314,7 @@ def _train(args, s: SimpleNamespace) -> None:
     t_start = time.perf_counter()
     bar = progress_bar(range(s.start, tc.steps), initial=s.start, total=tc.steps, desc="train", unit="step",
                        disable=not s.leader)
+
     def micro_batch(i: int) -> dict:
         """Micro-step i's batch on the devices, with its teacher features when the cache is on."""
         batch = s.batches.get(i)
