@@ -204,6 +204,27 @@ def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
     with pytest.raises(ValueError, match="hard_weight is a term of the PSM's loss"):
         loop.TrainConfig.from_dict(dict(method="eagle3", hard_weight=0.5))
 
+    # over a draft vocabulary, only where the teacher's own token is in it: a vocabulary without any of
+    # the teacher's tokens at the loss positions gets no hard term, one with all of them gets it
+    from spd_jax.drafters.psm import teacher_states
+    from spd_jax.models import decoder
+
+    cfg = llama.config
+    _, x = teacher_states(llama.params, jnp.asarray(batch["tokens"]), cfg, spec.anchors)
+    best = np.asarray(jnp.argmax(decoder.lm_logits(llama.params, x, cfg), -1))  # [B, T]
+    at = np.asarray(batch["query"])[np.asarray(batch["query_mask"])]
+    wanted = set(np.take_along_axis(best, np.asarray(batch["query"]), 1)[np.asarray(batch["query_mask"])].tolist())
+    assert len(at) and len(wanted) < cfg.vocab_size // 2
+    V = cfg.vocab_size // 2
+    without = np.array(sorted(set(range(cfg.vocab_size)) - wanted)[:V], np.int32)
+    with_all = np.array(sorted(wanted | set(without[:V - len(wanted)].tolist())), np.int32)
+    spec_v = PSMConfig.for_target(cfg, spec.plan, tc.psm_layers, draft_vocab=V)
+    for ids, gets_term in ((without, False), (with_all, True)):
+        state_v, frozen_v = loop.init_state(llama, spec_v, tc, opt, ids)
+        losses = [float(jax.jit(loop.loss_fn(cfg, spec_v, dataclasses.replace(tc, hard_weight=w)))(
+            state_v["params"], frozen_v, llama.params, batch, keys)[0]) for w in (0.0, 1.0)]
+        assert (losses[1] > losses[0]) == gets_term and (losses[1] == losses[0]) != gets_term, (ids, losses)
+
 
 def test_checkpoint_roundtrip_and_resume(llama, tmp_path):
     deep = llama
