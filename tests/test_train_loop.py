@@ -470,6 +470,36 @@ def test_skip_reads_a_later_slice_of_each_source():
         loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, skip=0)))
 
 
+def test_prompt_pattern_keeps_the_matching_first_turns_of_the_slice():
+    """prompt_pattern: of the skip/limit slice, the conversations whose first user turn matches (a round
+    aimed at one domain); another corpus name than without it (older names unchanged), kept on resume,
+    and a pattern that is not a regular expression is refused."""
+    from types import SimpleNamespace
+
+    base = dict(sources=("gsm8k",), skip=2, limit=40)
+    sliced = list(loop.conversations(loop.TrainConfig(**base)))
+    kept = list(loop.conversations(loop.TrainConfig(**base, prompt_pattern=r"(?i)\bhow many\b")))
+    want = [c for c in sliced if re.search(r"(?i)\bhow many\b", c[1][0]["content"])]
+    assert kept == want and 0 < len(kept) < len(sliced)
+    model = SimpleNamespace(path="m", tokenizer=SimpleNamespace(chat_template="t"))
+    keys = {loop.corpus_key(model, loop.TrainConfig(**base, prompt_pattern=p)) for p in (None, "a", "b")}
+    assert len(keys) == 3
+    assert loop.corpus_key(model, loop.TrainConfig(**base)) == hashlib_key(model, base)
+    with pytest.raises(ValueError, match="prompt_pattern '\\(' is not a regular expression"):
+        loop.TrainConfig.from_dict(dict(prompt_pattern="("))
+    with pytest.raises(ValueError, match="prompt_pattern"):
+        loop.check_same_data(dict(base, prompt_pattern="a"), loop.TrainConfig.from_dict(dict(base, prompt_pattern="b")))
+
+
+def hashlib_key(model, cfg: dict) -> str:
+    """The corpus name as it was before prompt_pattern existed (cached corpora must keep theirs)."""
+    import hashlib
+
+    skip = [dict(skip=cfg["skip"])] if cfg.get("skip") else []
+    return hashlib.sha256(json.dumps([list(cfg["sources"]), cfg["limit"], 512, str(model.path),
+                                      model.tokenizer.chat_template, *skip]).encode()).hexdigest()[:16]
+
+
 def test_eagle3_config_matches_the_psm_data():
     """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
     positions mean equal data (the draft vocabulary is a choice of head, not of data)."""

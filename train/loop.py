@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -79,6 +80,9 @@ class TrainConfig:
     # conversations per source passed over before `limit` starts counting: a later slice of the corpus
     # (e.g. a new round of self-distillation on prompts an earlier round did not answer)
     skip: int = 0
+    # keep only the conversations (of the skip/limit slice) whose first user turn matches this regular
+    # expression (re.search): a round of data aimed at one domain, e.g. code
+    prompt_pattern: str | None = None
     max_len: int = 512  # longer conversations keep only the whole turns that fit
     buckets: tuple[int, ...] = (128, 256, 512)
     batch_size: int = 8  # sequences per optimiser step (global, over the data axis)
@@ -152,6 +156,11 @@ class TrainConfig:
                              "(set teacher_cache=false)")
         if cfg.skip < 0:
             raise ValueError(f"skip must be >= 0 (conversations per source passed over), got {cfg.skip}")
+        if cfg.prompt_pattern is not None:
+            try:
+                re.compile(cfg.prompt_pattern)
+            except re.error as e:
+                raise ValueError(f"prompt_pattern {cfg.prompt_pattern!r} is not a regular expression: {e}") from None
         if cfg.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {cfg.compute_dtype!r}")
         counts = ("psm_layers", "batch_size", "grad_accum", "steps", "eval_every", "save_every", "keep",
@@ -180,17 +189,21 @@ def corpus_dir() -> Path:
 
 def corpus_key(model, tc: TrainConfig, *extra) -> str:
     """The cache name of tc's corpus for `model`: what its sequences depend on (`extra`: more of it)."""
-    # skip joins the key only when set, so the corpora cached before it existed keep their names
+    # skip and prompt_pattern join the key only when set, so the corpora cached before they existed keep
+    # their names
     skip = [dict(skip=tc.skip)] if tc.skip else []
+    skip += [dict(prompt_pattern=tc.prompt_pattern)] if tc.prompt_pattern is not None else []
     return hashlib.sha256(json.dumps([tc.sources, tc.limit, tc.max_len, str(model.path),
                                       model.tokenizer.chat_template, *extra, *skip]).encode()).hexdigest()[:16]
 
 
 def conversations(tc: TrainConfig):
     """(source, chat messages) of the conversations tc.skip .. tc.skip + tc.limit - 1 of each of tc.sources
-    (all from tc.skip on without a limit), in corpus order."""
+    (all from tc.skip on without a limit), in corpus order; with tc.prompt_pattern, those of them whose
+    first user turn matches it."""
     from train import data
 
+    keep = re.compile(tc.prompt_pattern).search if tc.prompt_pattern is not None else None
     readers = {"sharegpt": data.read_sharegpt, "gsm8k": data.gsm8k_conversations}
     for src in tc.sources:
         if src not in readers:
@@ -198,7 +211,7 @@ def conversations(tc: TrainConfig):
         for i, msgs in enumerate(readers[src]()):
             if tc.limit is not None and i >= tc.skip + tc.limit:
                 break
-            if i >= tc.skip:
+            if i >= tc.skip and (keep is None or (msgs and keep(msgs[0]["content"]))):
                 yield src, msgs
 
 
@@ -672,7 +685,7 @@ def check_resume(was: dict, identity: dict) -> None:
 
 # What decides a run's data and its order: a resume must keep them, or "continues with the same data
 # position" (and train.heldout's check that a run never saw its held-out conversations) would not hold.
-DATA_KEYS = ("sources", "skip", "limit", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
+DATA_KEYS = ("sources", "skip", "limit", "prompt_pattern", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
 
 
 def check_same_data(was: dict, tc: TrainConfig) -> None:
