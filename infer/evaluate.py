@@ -121,6 +121,9 @@ def drafter_id(model, method: str, n: int, spec=None, drafter=None) -> str | Non
     return content_id(src) if isinstance(src, (str, Path)) else "given"
 
 
+SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share
+
+
 def label_is_dir(label, directory: Path) -> bool:
     """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
     "random" / "given" / None) names `directory`."""
@@ -137,9 +140,9 @@ def rows_of_drafter(rows: list[dict], directory: Path, label_key: str) -> tuple[
     whatever path it was evaluated. Rows from before ids were recorded carry none: when no row of this
     path records one (an evaluation made before them) those rows are taken by their path and legacy is True
     (the caller warns: they may be an older drafter's); when some row of the path records another id, the
-    rows without one are older still and left out. One row per (benchmark, prompt, method, n, k, T): the
-    same drafter evaluated under two paths (given by --spec, then shipped) counts once, the row under
-    `directory` first."""
+    rows without one are older still and left out. One row per (benchmark, prompt, method, n, k, T) and
+    setup (SETUP): the same drafter evaluated under two paths (given by --spec, then shipped) counts once,
+    the row under `directory` first, while its rows of two setups both stay (the card refuses them)."""
     from spd_jax.drafters.store import content_id
 
     want = content_id(directory)
@@ -147,7 +150,8 @@ def rows_of_drafter(rows: list[dict], directory: Path, label_key: str) -> tuple[
                   key=lambda r: not label_is_dir(r.get(label_key), directory))  # stable: this path's rows first
     seen, unique = set(), []
     for r in mine:
-        key = (r["bench"], r["prompt_index"], r["method"], r["n"], r.get("k"), r["temperature"])
+        key = (r["bench"], r["prompt_index"], r["method"], r["n"], r.get("k"), r["temperature"],
+               *(r.get(k) for k in SETUP))
         if key not in seen:
             seen.add(key)
             unique.append(r)

@@ -162,9 +162,15 @@ def test_rows_of_an_older_drafter_at_the_same_path_are_not_this_ones(tmp_path, c
     assert "record no drafter id (made before ids were recorded)" in capsys.readouterr().err
 
 
-def test_card_refuses_rows_of_two_setups(tmp_path, capsys):
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_card_refuses_rows_of_two_setups(tmp_path, capsys, with_ids):
+    """Rows of this drafter under two setups (here two lengths) are refused, whether they are taken by the
+    content they record (drafter_id; the same prompts under both setups) or, from before ids, by path."""
+    from spd_jax.drafters.store import content_id
+
     run, ev, psm = _psm_run(tmp_path)
-    _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("spd", 8, psm=str(psm), max_new_tokens=64))
+    ids = dict(drafter_id=content_id(psm)) if with_ids else {}
+    _write_rows(ev, _res("spd", 8, psm=str(psm), **ids) + _res("spd", 8, psm=str(psm), max_new_tokens=64, **ids))
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "rows of 2 setups" in err and "max_new_tokens 64" in err

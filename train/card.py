@@ -32,8 +32,7 @@ import shutil
 import sys
 from pathlib import Path
 
-
-SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share
+from infer.evaluate import SETUP  # what the rows of one evaluation share
 
 
 def drafter_rows(rows: list[dict], meta: dict, directory: Path, eagle: bool) -> tuple[list[dict], dict | None]:
