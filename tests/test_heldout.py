@@ -4,6 +4,7 @@ held-out conversations are refused; runs compare at equal training positions; on
 CLI scores a run's start and checkpoints on the target's own greedy replies."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,12 +98,14 @@ class _Tokenizer:
 
 def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch):
     """Conversations offset .. offset + count - 1 of each source, counted per source; a held-out first
-    turn equal to one a run trained on (index < seen_below in its source) is dropped and counted."""
-    def conversations(tc):
+    turn equal to one a run trained on (index < seen_below in its source) is dropped and counted. A run's
+    prompt_pattern does not narrow the set: it is every conversation in that range."""
+    def conversations(tc):  # as loop.conversations: skip and limit count all, the pattern filters within
         for src, n in (("one", 9), ("two", 7)):  # "two"'s conversation 5 repeats its conversation 1
             for i in range(min(n, tc.limit)):
                 text = f"{9 if src == 'one' else 7} {1 if (src, i) == ('two', 5) else i}"
-                yield src, [dict(role="user", content=text), dict(role="assistant", content="x")]
+                if tc.prompt_pattern is None or re.search(tc.prompt_pattern, text):
+                    yield src, [dict(role="user", content=text), dict(role="assistant", content="x")]
 
     monkeypatch.setattr(loop, "conversations", conversations)
     model = type("M", (), dict(tokenizer=_Tokenizer()))()
@@ -110,6 +113,9 @@ def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch)
     prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3, seen_below=4)
     assert [p.tolist() for p in prompts] == [[1, 9, 4], [1, 9, 5], [1, 9, 6], [1, 7, 4], [1, 7, 6]]
     assert repeats == 1
+    coded = loop.TrainConfig(max_len=64, prompt_pattern="^9 [0-3]$")  # a run trained on a few of the first
+    assert [p.tolist() for p in heldout.heldout_prompts(model, coded, offset=4, count=3, seen_below=4)[0]] == \
+        [p.tolist() for p in prompts]
     prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3)  # nothing to compare with
     assert len(prompts) == 6 and repeats == 0
 

@@ -90,7 +90,9 @@ def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> 
     index: collections.Counter = collections.Counter()
     trained: set[tuple[str, bytes]] = set()
     out, repeats = [], 0
-    for src, msgs in loop.conversations(dataclasses.replace(tc, skip=0, limit=max(offset + count, seen_below))):
+    # every conversation, whatever prompt_pattern the run trained with: its skip and limit count them all
+    every = dataclasses.replace(tc, skip=0, limit=max(offset + count, seen_below), prompt_pattern=None)
+    for src, msgs in loop.conversations(every):
         i = index[src]
         index[src] += 1
         if i >= offset + count and i >= seen_below:
@@ -116,7 +118,8 @@ def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
         raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.sources)} (fewer than "
                          f"{offset + 1} conversations, or none fits max_len {tc.max_len}): pass a smaller --offset "
                          "and train the runs with a limit below it")
-    key = loop.corpus_key(model, dataclasses.replace(tc, skip=0, limit=None), "heldout-target-greedy", offset, count,
+    key = loop.corpus_key(model, dataclasses.replace(tc, skip=0, limit=None, prompt_pattern=None),
+                          "heldout-target-greedy", offset, count,
                           seen_below, distill.MIN_ROOM)
     log.info("held-out set: %d first turns (conversations %d .. %d of %s; %d dropped as repeats of training "
              "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1, ", ".join(tc.sources),
