@@ -232,7 +232,7 @@ def test_bad_input(deep, tmp_path, tiny_ckpt):
     assert res.stats["psm"] == str(tmp_path / "psm4")
 
 
-def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_path, caplog):
+def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_path, caplog, monkeypatch):
     """Same architecture, other weights (another init seed, as a base model and its fine-tune): a PSM
     records its target's weights fingerprint and another model refuses it, naming both fingerprints, the
     model and the fix. float32 and bfloat16 loads of one checkpoint have one fingerprint; a PSM saved
@@ -249,12 +249,18 @@ def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_pat
     load_psm(tmp_path / "a", a16.config, plan, a16.params, a16.dtype)  # its own model, in bfloat16 too
     msg = (rf"{re.escape(str(tmp_path / 'a'))} was trained for another model of the same architecture: its target "
            rf"weights have fingerprint {a.weights_fingerprint}, those of {re.escape(str(b.path))} "
-           rf"{b.weights_fingerprint} .*train a PSM for {re.escape(str(b.path))} .* or pass the PSM trained for it "
-           r"\(--spec DIR\)")
+           rf"{b.weights_fingerprint} .*train a PSM for {re.escape(str(b.path))} .* or use one trained for it")
     with pytest.raises(PSMCheckpointError, match=msg):
         spd_jax.generate(b, PROMPT, 4, method="spd", n=2, spec=tmp_path / "a")
     with pytest.raises(PSMCheckpointError, match="fingerprint"):  # the loader alone: from the target's params
         load_psm(tmp_path / "a", b.config, plan, b.params)
+    # as the PSM shipped under a default model's name: its model gets it; other weights under that name
+    # (an original checkout, not the embedded GGUF) are told none is theirs, as for another stage plan
+    shipped = lambda name, n: tmp_path / "a"  # noqa: E731
+    monkeypatch.setattr(pipelined, "shipped_psm", shipped)
+    assert pipelined.psm_source(a, pipelined.plan_for(a, 2), None)[0] == tmp_path / "a"
+    found, why = pipelined.psm_source(b, pipelined.plan_for(b, 2), None)
+    assert found is None and f"target fingerprint {a.weights_fingerprint}, these {b.weights_fingerprint}" in why
     save_psm(tmp_path / "old", init_psm(a.config, spec, a.params), spec)  # saved before the field existed
     assert "target_weights" not in json.loads((tmp_path / "old" / "psm.json").read_text())
     with caplog.at_level(logging.WARNING):

@@ -558,7 +558,8 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None) -> tuple
     if isinstance(spec, Eagle3Config):
         variables = eagle3.init_eagle3(model.config, spec, model.params, seed=tc.seed, vocab_ids=vocab_ids)
         if tc.init_from:  # its trained weights; the head is the target's (frozen) at this run's vocabulary
-            _, warm = eagle3.load_eagle3(tc.init_from, model.config, model.params, jnp.float32, spec.layers)
+            _, warm = eagle3.load_eagle3(tc.init_from, model.config, model.params, jnp.float32, spec.layers,
+                                         target_weights=model.weights_fingerprint, model_name=str(model.path))
             for k, w in warm["params"].items():
                 if k != "lm_head":
                     variables["params"][k] = jax.tree.map(lambda a: jnp.array(a, copy=True), w)
@@ -585,7 +586,8 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None) -> tuple
                         "anchors %s): a warm start only", tc.init_from, was.n, list(was.plan), list(was.anchors),
                         spec.n, list(spec.plan), list(spec.anchors))
         # the target (model) is still checked: another model's PSM is refused
-        was, warm = load_psm(tc.init_from, model.config, was.plan, model.params, jnp.float32, was.anchors)
+        was, warm = load_psm(tc.init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
+                             target_weights=model.weights_fingerprint, model_name=str(model.path))
         for k, w in warm["params"].items():
             if k != "lm_head":
                 # copies (training donates its buffers); proj_a are {kernel} dicts

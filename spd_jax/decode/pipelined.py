@@ -4,6 +4,7 @@ caches on the `stage` mesh, pick the drafter, compile once per shape bucket, run
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from spd_jax.distributed import to_host
 from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
 from spd_jax.pipeline.partition import StagePlan, plan_stages
 from spd_jax.drafters.psm import PSMConfig, PSMDrafter, check_spec, init_psm, load_psm, read_spec, shipped_psm
+from spd_jax.drafters.store import TARGET_WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,15 @@ def psm_source(model, plan: StagePlan, spec):
             why = (f"the PSM shipped for this model at n={plan.n} was trained for the stage plan "
                    f"{list(read_spec(spec).plan)}, not {list(plan.counts)}")
             spec = None  # an explicit other plan gets a random PSM
+        elif spec is not None:
+            # A checkpoint under the default's name may hold other weights (an original HF checkout rather
+            # than the embedded GGUF): the shipped PSM is then not this model's, as for another plan.
+            want = json.loads((spec / "psm.json").read_text()).get(TARGET_WEIGHTS)
+            if want is not None and want != model.weights_fingerprint:
+                why = (f"the PSM shipped for this model's name at n={plan.n} was trained on other weights (target "
+                       f"fingerprint {want}, these {model.weights_fingerprint}: e.g. the embedded GGUF's against "
+                       "another checkpoint of the model)")
+                spec = None
     return spec, why
 
 

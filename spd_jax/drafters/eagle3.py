@@ -400,7 +400,7 @@ def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=j
     model = model_name or "this model"
     check_target_weights(json.loads((path / "eagle3.json").read_text()), target_weights or fingerprint(target_params),
                          str(path), model, "EAGLE-3", f"train an EAGLE-3 drafter for {model} (python -m train.main "
-                         f"with method: eagle3, model: {model}) or pass the drafter trained for it (--drafter DIR)",
+                         f"with method: eagle3, model: {model}) or use one trained for it",
                          Eagle3CheckpointError)
     init = lambda zeros: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
     return spec, restore_drafter(path, "eagle3.json", init, spec, cfg, target_params, dtype)

@@ -586,7 +586,7 @@ def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], ta
     model = model_name or "this model"
     check_target_weights(json.loads((path / "psm.json").read_text()), target_weights or fingerprint(target_params),
                          str(path), model, "PSM", f"train a PSM for {model} (python -m train.main with model: "
-                         f"{model}) or pass the PSM trained for it (--spec DIR)", PSMCheckpointError)
+                         f"{model}) or use one trained for it", PSMCheckpointError)
     init = lambda zeros: init_psm(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
     return spec, restore_drafter(path, "psm.json", init, spec, cfg, target_params, dtype)
 
