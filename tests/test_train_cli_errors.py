@@ -123,3 +123,19 @@ def test_distill_bad_input(tmp_path, capsys):
     assert "is not key=value" in capsys.readouterr().err
     assert distill.main(["--config", CONFIG, "--batch", "0"]) == 2
     assert "distill_batch=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values,needle", [
+    (dict(buckets=[]), "buckets=[]"),
+    (dict(buckets=[128, 0]), "buckets=[128, 0]"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+    (dict(max_len=0), "max_len=0"),
+    (dict(prompt_pattern=123), "prompt_pattern must be a regular expression (a string), got 123"),
+])
+def test_config_values_out_of_range_are_named(values, needle):
+    """A value no run can use is refused where the config is read, naming the key and the rule."""
+    from train import loop
+
+    with pytest.raises(ValueError) as e:
+        loop.TrainConfig.from_dict(values)
+    assert needle in str(e.value)

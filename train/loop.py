@@ -85,8 +85,8 @@ class TrainConfig:
     prompt_pattern: str | None = None
     max_len: int = 512  # longer conversations keep only the whole turns that fit
     buckets: tuple[int, ...] = (128, 256, 512)
-    batch_size: int = 8  # sequences per optimiser step (global, over the data axis)
-    grad_accum: int = 1  # micro-batches of batch_size per step
+    batch_size: int = 8  # sequences per micro-batch (global, over the data axis)
+    grad_accum: int = 1  # micro-batches per optimiser step: an update takes grad_accum x batch_size sequences
     steps: int = 2000
     lr: float = 1e-4
     warmup: int = 100
@@ -157,24 +157,29 @@ class TrainConfig:
         if cfg.skip < 0:
             raise ValueError(f"skip must be >= 0 (conversations per source passed over), got {cfg.skip}")
         if cfg.prompt_pattern is not None:
+            if not isinstance(cfg.prompt_pattern, str):
+                raise ValueError(f"prompt_pattern must be a regular expression (a string), got {cfg.prompt_pattern!r}")
             try:
                 re.compile(cfg.prompt_pattern)
             except re.error as e:
                 raise ValueError(f"prompt_pattern {cfg.prompt_pattern!r} is not a regular expression: {e}") from None
         if cfg.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {cfg.compute_dtype!r}")
-        counts = ("psm_layers", "batch_size", "grad_accum", "steps", "eval_every", "save_every", "keep",
-                  "log_every", "distill_batch")
+        counts = ("psm_layers", "max_len", "batch_size", "grad_accum", "steps", "eval_every", "save_every",
+                  "keep", "log_every", "distill_batch")
         bad = [f"{k}={getattr(cfg, k)}" for k in counts if getattr(cfg, k) < 1]
         bad += [f"{k}={getattr(cfg, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab",
-                                                   "hard_weight") if not 0 <= getattr(cfg, k) < math.inf]
+                                                   "hard_weight", "weight_decay") if not 0 <= getattr(cfg, k) < math.inf]
         bad += [f"{k}={getattr(cfg, k)}" for k in ("lr", "tau", "clip") if not 0 < getattr(cfg, k) < math.inf]
         if cfg.limit is not None and cfg.limit < 1:
             bad.append(f"limit={cfg.limit}")
+        if not cfg.buckets or min(cfg.buckets) < 1:
+            bad.append(f"buckets={list(cfg.buckets)}")
         if bad:
             raise ValueError(f"training config {', '.join(bad)}: {', '.join(counts)} must be at least 1; warmup, "
-                             "heldout, eval_prompts, eval_tokens, draft_vocab and hard_weight at least 0; lr, tau "
-                             "and clip above 0; limit at least 1 or null")
+                             "heldout, eval_prompts, eval_tokens, draft_vocab, hard_weight and weight_decay at least "
+                             "0; lr, tau and clip above 0; limit at least 1 or null; buckets one length or more, "
+                             "each at least 1")
         if cfg.max_len > max(cfg.buckets):
             raise ValueError(f"max_len {cfg.max_len} exceeds the largest bucket {max(cfg.buckets)}")
         return cfg
@@ -469,7 +474,8 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     With grad_accum > 1 the micro-batches' gradient and metric sums are added up (two compiled programs
     per bucket pair, the first micro-batch's and the others', the accumulator donated) before one
     division and one update: the update a batch of grad_accum x batch_size sequences would take, with
-    the same random fills per sequence.
+    the same random fills per sequence where the micro-batches pad to that batch's bucket (`deal_fills`
+    deals a sequence's fills over its query slots, whose count follows the bucket).
 
     Known limit: on XLA:CPU host devices, a Qwen3.5 (Gated DeltaNet) target on a mesh with both axes
     above 1 (e.g. 4x2) stalls in XLA:CPU's collectives (re-checked with this GSPMD step; the same
