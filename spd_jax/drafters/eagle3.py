@@ -355,10 +355,10 @@ def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: di
     provenance; "head": "shared" when variables lack the LM head) to a new directory `path`.
     target_weights: the target's `store.target_weights` fingerprint (also accepted in extra), recorded so
     that `load_eagle3` refuses the drafter for another model of the same architecture."""
-    from spd_jax.drafters.store import TARGET_WEIGHTS, save_drafter
+    from spd_jax.drafters.store import save_drafter
 
-    meta = dict(spec_to_json(spec), **(extra or {}), **({TARGET_WEIGHTS: target_weights} if target_weights else {}))
-    save_drafter(path, variables, "eagle3.json", meta, "drafter")
+    save_drafter(path, variables, "eagle3.json", dict(spec_to_json(spec), **(extra or {})), "drafter",
+                 target_weights)
 
 
 def read_spec(path: str | Path) -> Eagle3Config:

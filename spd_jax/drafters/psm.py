@@ -534,10 +534,9 @@ def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | N
     new directory `path`. target_weights: the target's `store.target_weights` fingerprint (also accepted in
     extra), recorded so that `load_psm` refuses the PSM for another model of the same architecture;
     without it the PSM loads anywhere its architecture fits, with a warning."""
-    from spd_jax.drafters.store import TARGET_WEIGHTS, save_drafter
+    from spd_jax.drafters.store import save_drafter
 
-    meta = dict(spec_to_json(spec), **(extra or {}), **({TARGET_WEIGHTS: target_weights} if target_weights else {}))
-    save_drafter(path, variables, "psm.json", meta, "PSM")
+    save_drafter(path, variables, "psm.json", dict(spec_to_json(spec), **(extra or {})), "PSM", target_weights)
 
 
 def read_spec(path: str | Path) -> PSMConfig:

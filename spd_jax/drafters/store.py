@@ -10,9 +10,11 @@ import json
 from pathlib import Path
 
 
-def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, what: str) -> None:
-    """variables -> path/params (orbax), meta -> path/meta_name. path must not exist (never overwrite a
-    checkpoint); what names the drafter in that error."""
+def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, what: str,
+                 target_weights: str | None = None) -> None:
+    """variables -> path/params (orbax), meta (plus TARGET_WEIGHTS: target_weights when given, over one in
+    meta) -> path/meta_name. path must not exist (never overwrite a checkpoint); what names the drafter in
+    that error."""
     import orbax.checkpoint as ocp
 
     from spd_jax import distributed
@@ -25,6 +27,7 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
     ckptr.save(path / "params", variables)
     ckptr.wait_until_finished()
     if distributed.is_leader():
+        meta = dict(meta, **({TARGET_WEIGHTS: target_weights} if target_weights else {}))
         (path / meta_name).write_text(json.dumps(meta, indent=1))
 
 
