@@ -78,6 +78,7 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert "| 3 | 3,000 |" not in text and "KL 3.750" in text  # the mean of steps 1 and 2: 5.0 and 2.5
+    assert "No quick eval during training" in text and "| step | positions |" not in text  # none up to step 2
     assert "warm start" not in text
     # a run that started from another PSM (init_from) says so, with what that one saw
     (tmp_path / "n8").mkdir()
@@ -111,6 +112,11 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     text = (psm / "CARD.md").read_text()
     assert ("trained on 900,000 response positions of its own after a warm start of its own (100 positions "
             "before it)") in text and "902,100 response positions in all" in text
+
+
+def test_time_line_keeps_two_figures_of_a_sub_second_step():
+    line = card._time_line([dict(step=10, wall_s=100.0), dict(step=20, wall_s=101.38)], dict(steps=20))
+    assert "median 0.14 s per step" in line
 
 
 def test_card_without_rows_of_its_drafter(tmp_path, capsys):

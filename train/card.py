@@ -110,7 +110,8 @@ def _time_line(metrics: list[dict], trained: dict) -> str:
     timed = [r for r in metrics if "wall_s" in r]
     per_step = sorted((b["wall_s"] - a["wall_s"]) / (b["step"] - a["step"])
                       for a, b in zip(timed, timed[1:]) if b["step"] > a["step"] and b["wall_s"] > a["wall_s"])
-    median = f"median {per_step[(len(per_step) - 1) // 2]:.1f} s per step, " if per_step else ""
+    mid = per_step[(len(per_step) - 1) // 2] if per_step else None
+    median = "" if mid is None else f"median {mid:.1f} s per step, " if mid >= 1 else f"median {mid:.2g} s per step, "
     return (f"- steps {trained.get('steps')}, response positions seen **{trained.get('positions', 0):,}**, "
             f"{median}{trained.get('wall_s', 0) / 3600:.2f} h of wall clock in all (pauses included) on "
             f"{trained.get('backend')} (mesh {trained.get('mesh')})")
@@ -196,9 +197,11 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         f"{f' x {tc.grad_accum} accumulated' if tc.grad_accum > 1 else ''}, clip {tc.clip:g}",
         _time_line(metrics, trained),
         f"- last 10 logged steps: KL {loss:.3f}, top-1 agreement with the target {agree:.3f}",
-        "", "Quick eval during training (greedy SPD on held-out training prompts, pooled):", "",
-        "| step | positions | alpha | S0 |", "|---|---|---|---|",
-        *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals],
+        "", *(["Quick eval during training (greedy SPD on held-out training prompts, pooled):", "",
+               "| step | positions | alpha | S0 |", "|---|---|---|---|",
+               *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals]]
+              if evals else [f"No quick eval during training: it runs the SPD engine on n = {len(spec['plan'])} "
+                             "stage devices, and the run had fewer (or none fell due)."]),
         "", "![learning curves](curves.png)", "",
     ]
     return "\n".join(lines + psm_evaluation(table, eval_cmd, setup, len(spec["plan"]), drafter, lineage))
