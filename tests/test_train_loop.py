@@ -618,3 +618,17 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     r = subprocess.run(common + ["--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 2 and "run.json not found beside the checkpoints" in r.stderr, r.stderr[-3000:]
+
+
+def test_curves_leave_out_the_quick_eval_panel_of_a_run_without_one(tmp_path):
+    from PIL import Image
+
+    rows = [dict(step=s, positions=100 * s, loss=2.0 / s, agreement=0.1 * s) for s in (1, 2, 3)]
+    widths = []
+    for with_eval in (False, True):
+        if with_eval:
+            rows[-1] |= dict(alpha=0.2, S0=1.5)
+        (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        loop.plot_curves(tmp_path / "m.jsonl", tmp_path / "c.png")
+        widths.append(Image.open(tmp_path / "c.png").size[0])
+    assert widths[0] < widths[1]  # two panels, then three

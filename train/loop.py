@@ -797,20 +797,22 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     rows = [json.loads(r) for r in Path(metrics_path).read_text().splitlines() if r.strip()]
     if not rows:
         return
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     pos = [r["positions"] for r in rows]
     chain = any("tokens_per_round" in r or "agreement_by_step" in r for r in rows)
+    key = "tokens_per_round" if chain else "S0"
+    ev = [r for r in rows if key in r]
+    # a run without a quick eval (fewer devices than stages, or none fell due) gets no empty third panel
+    fig, ax = plt.subplots(1, 3 if ev else 2, figsize=(13, 3.6) if ev else (9, 3.6))
     ax[0].plot(pos, [r["loss"] for r in rows])
     ax[0].set(title="KL(teacher || drafter) per unrolled step" if chain else "KL(teacher || PSM)",
               xlabel="training positions", yscale="log")
     ax[1].plot(pos, [r["agreement"] for r in rows])
     ax[1].set(title="top-1 agreement (train, 1st draft step)" if chain else "top-1 agreement (train batches)",
               xlabel="training positions")
-    key = "tokens_per_round" if chain else "S0"
-    ev = [r for r in rows if key in r]
-    ax[2].plot([r["positions"] for r in ev], [r[key] for r in ev], "o-")
-    ax[2].set(title=f"tokens/round, chain k={ev[0].get('eval_k', '?') if ev else '?'}, held-out (greedy)" if chain
-              else "S0 on held-out prompts (greedy)", xlabel="training positions")
+    if ev:
+        ax[2].plot([r["positions"] for r in ev], [r[key] for r in ev], "o-")
+        ax[2].set(title=f"tokens/round, chain k={ev[0].get('eval_k', '?')}, held-out (greedy)" if chain
+                  else "S0 on held-out prompts (greedy)", xlabel="training positions")
     for a in ax:
         a.grid(alpha=0.3)
         positions_axis(a)
