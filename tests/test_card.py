@@ -78,7 +78,8 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     assert card.main(["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
     text = (psm / "CARD.md").read_text()
     assert "| 3 | 3,000 |" not in text and "KL 3.750" in text  # the mean of steps 1 and 2: 5.0 and 2.5
-    assert "No quick eval during training" in text and "| step | positions |" not in text  # none up to step 2
+    assert "No quick eval during training up to step 2 (one every 250 steps" in text  # none up to step 2
+    assert "| step | positions |" not in text
     assert "warm start" not in text
     # a run that started from another PSM (init_from) says so, with what that one saw
     (tmp_path / "n8").mkdir()
@@ -222,6 +223,11 @@ def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
         assert card.main(args) == 0
     points = json.loads((psm / card.LINEAGE).read_text())
     assert [(p["positions"], p["S0"]) for p in points] == [(3000, 3.75), (5000, 7.5)]
+    assert [p["warm_started"] for p in points] == [False, True] and len(card.lineage_chains(points)) == 1
+    # a later PSM trained from scratch starts a chain of its own: no line joins it to the earlier ones
+    assert [len(c) for c in card.lineage_chains(points + [dict(points[0], positions=9000)])] == [2, 1]
+    assert [len(c) for c in card.lineage_chains([{k: v for k, v in points[1].items() if k != "warm_started"}]
+                                                * 2)] == [2]  # points from before the key: one chain
     text = (psm / "CARD.md").read_text()
     assert "| 3,000 | c.yaml, 3 steps | 0.500 | 3.75 |\n| 5,000 | c.yaml, 2 steps | 1.000 | 7.50 |" in text
     assert "![S0 against training positions](lineage.png)" in text and (psm / "lineage.png").stat().st_size > 0

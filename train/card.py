@@ -121,6 +121,16 @@ TEMPERATURES = ("T = 0 is greedy; T = 1 samples at temperature 1 with top-k 50 a
                 "setting); first turns, chat template")
 
 
+def _no_quick_eval(tc, trained: dict, n: int | None = None) -> str:
+    """Why a card has no quick-eval table: a PSM run's quick eval runs the engine on n stage devices, so a
+    run to its last step without one had fewer (train.main switches it off); otherwise none fell due up
+    to the exported step."""
+    steps = trained.get("steps")
+    if n is not None and steps == tc.steps:
+        return f"No quick eval during training: it runs the SPD engine on n = {n} stage devices, and the run had fewer."
+    return f"No quick eval during training up to step {steps} (one every {tc.eval_every} steps and at the last)."
+
+
 def _data_line(tc, note: str = "") -> str:
     if tc.skip:
         span = (f"conversations {tc.skip:,} .. {tc.skip + tc.limit - 1:,} of each" if tc.limit
@@ -200,8 +210,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         "", *(["Quick eval during training (greedy SPD on held-out training prompts, pooled):", "",
                "| step | positions | alpha | S0 |", "|---|---|---|---|",
                *[f"| {r['step']} | {r['positions']:,} | {r['alpha']:.3f} | {r['S0']:.2f} |" for r in evals]]
-              if evals else [f"No quick eval during training: it runs the SPD engine on n = {len(spec['plan'])} "
-                             "stage devices, and the run had fewer (or none fell due)."]),
+              if evals else [_no_quick_eval(tc, trained, len(spec["plan"]))]),
         "", "![learning curves](curves.png)", "",
     ]
     return "\n".join(lines + psm_evaluation(table, eval_cmd, setup, len(spec["plan"]), drafter, lineage))
@@ -261,7 +270,8 @@ def lineage_point(table: list[dict], setup: dict | None, psm: dict, run: dict | 
                 S0=round(pooled_all["S0"], 4), alpha=round(pooled_all["alpha"], 4), tokens=pooled_all["tokens"],
                 cycles=pooled_all["cycles"], prompts=pooled_all["prompts"],
                 benches=sorted(t["bench"] for t in spd if t["bench"] != "all"),
-                max_new_tokens=setup["max_new_tokens"], model=setup["model"], run=label)
+                max_new_tokens=setup["max_new_tokens"], model=setup["model"], run=label,
+                warm_started=bool(trained.get("warm_start")))
 
 
 def update_lineage(psm_dir: Path, point: dict) -> list[dict]:
@@ -300,6 +310,18 @@ def lineage_lines(points: list[dict]) -> list[str]:
         "", "![S0 against training positions](lineage.png)", ""]
 
 
+def lineage_chains(points: list[dict]) -> list[list[dict]]:
+    """The lineage's points (by positions) split into warm-start chains: a PSM trained from scratch
+    (`warm_started` false; points from before the key count as warm-started) starts a new one, so the
+    plot draws no line into it from a PSM it did not train on from."""
+    chains: list[list[dict]] = []
+    for p in points:
+        if not chains or p.get("warm_started", True) is False:
+            chains.append([])
+        chains[-1].append(p)
+    return chains
+
+
 def plot_lineage(points: list[dict], png: Path) -> None:
     """S0 against training positions (log scale) for the lineage's points."""
     import matplotlib
@@ -311,11 +333,12 @@ def plot_lineage(points: list[dict], png: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     pos, s0 = [p["positions"] for p in points], [p["S0"] for p in points]
-    ax.plot(pos, s0, "o-")
+    for chain in lineage_chains(points):
+        ax.plot([p["positions"] for p in chain], [p["S0"] for p in chain], "o-", color="C0")
     ax.margins(y=0.15)  # room for the labels above the points
     for x, y in zip(pos, s0):
         ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    ax.set(xscale="log", xlabel="training positions, whole warm-start chain", ylabel="S0 (greedy, pooled)",
+    ax.set(xscale="log", xlabel="training positions, whole warm-start chain (a gap: a run from scratch)", ylabel="S0 (greedy, pooled)",
            title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
     positions_axis(ax)
     ax.grid(alpha=0.3, which="both")
@@ -356,10 +379,10 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         _time_line(metrics, trained),
         f"- last 10 logged steps: KL per unrolled step {loss:.3f}, top-1 agreement of the first draft step with "
         f"the target {agree:.3f}",
-        "", "Quick eval during training (greedy chain decoding on held-out training prompts, pooled):", "",
-        "| step | positions | k | tokens per round |", "|---|---|---|---|",
-        *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
-          for r in evals],
+        "", *(["Quick eval during training (greedy chain decoding on held-out training prompts, pooled):", "",
+               "| step | positions | k | tokens per round |", "|---|---|---|---|",
+               *[f"| {r['step']} | {r['positions']:,} | {r.get('eval_k', '-')} | {r['tokens_per_round']:.3f} |"
+                 for r in evals]] if evals else [_no_quick_eval(tc, trained)]),
         "", "![learning curves](curves.png)", "",
     ]
     return "\n".join(lines + eagle3_evaluation(table, eval_cmd, setup, tc.eval_k, drafter))
