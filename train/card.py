@@ -111,7 +111,7 @@ def _time_line(metrics: list[dict], trained: dict) -> str:
     per_step = sorted((b["wall_s"] - a["wall_s"]) / (b["step"] - a["step"])
                       for a, b in zip(timed, timed[1:]) if b["step"] > a["step"] and b["wall_s"] > a["wall_s"])
     mid = per_step[(len(per_step) - 1) // 2] if per_step else None
-    median = "" if mid is None else f"median {mid:.1f} s per step, " if mid >= 1 else f"median {mid:.2g} s per step, "
+    median = "" if mid is None else f"median {mid:{'.1f' if mid >= 1 else '.2g'}} s per step, "
     return (f"- steps {trained.get('steps')}, response positions seen **{trained.get('positions', 0):,}**, "
             f"{median}{trained.get('wall_s', 0) / 3600:.2f} h of wall clock in all (pauses included) on "
             f"{trained.get('backend')} (mesh {trained.get('mesh')})")
@@ -338,8 +338,8 @@ def plot_lineage(points: list[dict], png: Path) -> None:
     ax.margins(y=0.15)  # room for the labels above the points
     for x, y in zip(pos, s0):
         ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    ax.set(xscale="log", xlabel="training positions, whole warm-start chain (a gap: a run from scratch)", ylabel="S0 (greedy, pooled)",
-           title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
+    ax.set(xscale="log", xlabel="training positions, whole warm-start chain (a gap: a run from scratch)",
+           ylabel="S0 (greedy, pooled)", title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
     positions_axis(ax)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()

@@ -14,8 +14,8 @@ replies another writer finished).
 Generation runs once per (sources, skip, limit, prompt_pattern, max_len, model, template) and is cached
 beside the tokenised corpus (`corpus-<key>.npz`), in chunks written atomically as they finish, so a
 killed run resumes at the first missing chunk. Greedy tokens can differ between machines in the last
-bits of a near tie: the cache is this machine's. This command only builds the cache (and says what it holds); `train.main`
-with the same config reads it, or builds it first.
+bits of a near tie: the cache is this machine's. This command only builds the cache (and says what it
+holds); `train.main` with the same config reads it, or builds it first.
 """
 
 from __future__ import annotations
