@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -336,8 +337,13 @@ def plot_lineage(points: list[dict], png: Path) -> None:
     for chain in lineage_chains(points):
         ax.plot([p["positions"] for p in chain], [p["S0"] for p in chain], "o-", color="C0")
     ax.margins(y=0.15)  # room for the labels above the points
-    for x, y in zip(pos, s0):
-        ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    # Runs a few hundred k positions apart sit on one spot of a log axis past 10 M: label the newest of
+    # such a cluster only (overlapping labels read as neither; the card's table has every value).
+    placed: list[tuple[float, float]] = []
+    for x, y in sorted(zip(pos, s0), reverse=True):
+        if all(abs(math.log10(x) - px) > 0.06 or abs(y - py) > 0.02 for px, py in placed):
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            placed.append((math.log10(x), y))
     ax.set(xscale="log", xlabel="training positions, whole warm-start chain (a gap: a run from scratch)",
            ylabel="S0 (greedy, pooled)", title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
     positions_axis(ax)
