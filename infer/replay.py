@@ -13,9 +13,12 @@ content, the rows' `drafter_id`; by path for rows made before ids were recorded)
 replayed counts are checked against them (equal up to the float near-ties of two different computations
 of one draft).
 
-It also reports, per fill k (tokens in flight when the draft is made), the teacher-forced agreement of
-the drafts with the target over every generated position, and which fills the engine verified: after
-each rejection the next verified draft was made at fill 1, so at a low acceptance those dominate.
+It also reports S0 at every smaller budget of new tokens (powers of two from 8): the engine's run with
+budget L commits the first L tokens of the same continuation (up to float near-ties between two compiled
+lengths), so one long `ar` run shows how S0 moves with the generation's length. And, per fill k (tokens
+in flight when the draft is made), the teacher-forced agreement of the drafts with the target over every
+generated position, and which fills the engine verified: after each rejection the next verified draft
+was made at fill 1, so at a low acceptance those dominate.
 Writes DIR/replay.json, DIR/replay.md and DIR/replay.png (default DIR: the evaluate run's replay/).
 """
 
@@ -32,6 +35,7 @@ import numpy as np
 
 BUCKET = 128  # sequences are padded to a multiple of this (few compiled shapes)
 ROWS = 32  # the generated positions scored per sequence are padded to a multiple of this
+REPEAT = 4  # n-gram length of the repetition share (`repeats`)
 BATCH = 4  # sequences per teacher-forced pass: its [B, T, n, T] attention scores must fit in memory
 
 log = logging.getLogger(__name__)
@@ -113,14 +117,15 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
                     "them by path, so a PSM written there since would not match them", label)
     measured = {(r["bench"], r["prompt_index"]): r for r in mine}
     rows, agree, count = [], np.zeros(n), 0
+    cut = {L: [] for L in budgets(max_new)}  # the same runs with a smaller budget of new tokens
     for p, r, seq, right in zip(prompts, ar, seqs, rights):
+        for L in cut:
+            cut[L].append(_row(r, replay_greedy(n, seq, len(p), right, L, model.eos_token_ids)))
         rep = replay_greedy(n, seq, len(p), right, max_new, model.eos_token_ids)
         if rep.tokens != r["tokens"]:
             raise ValueError(f"{r['bench']} prompt {r['prompt_index']}: the replay commits {rep.tokens} tokens, `ar` "
                              f"{r['tokens']}: the continuation does not belong to this model and length")
-        row = dict(bench=r["bench"], prompt_index=r["prompt_index"], tokens=rep.tokens, cycles=rep.cycles,
-                   accepted=rep.accepted, rejected=rep.rejected, verified_fill=rep.verified_fill.tolist(),
-                   accepted_fill=rep.accepted_fill.tolist())
+        row = _row(r, rep)
         m = measured.get((r["bench"], r["prompt_index"]))
         if m is not None:
             row["engine"] = dict(cycles=m["cycles"], accepted=m["accepted"], rejected=m["rejected"])
@@ -128,8 +133,42 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
         gen = right[len(p):len(seq) - 1]  # drafts the engine can make: newest token a generated one
         agree += gen.sum(0)
         count += len(gen)
+    loops = [repeats(r["token_ids"]) for r in ar]
+    by_length = {}
+    for L, rs in list(cut.items()) + [(max_new, rows)]:
+        by_length[L] = {b: {k: v[k] for k in ("tokens", "cycles", "alpha", "S0")}
+                        for b, v in pool(rs, model.config.num_layers, plan).items()}
+        for b, v in by_length[L].items():
+            mine = [x[:L] for x, r in zip(loops, ar) if b in ("all", r["bench"])]
+            v["repeated"] = float(sum(x.sum() for x in mine) / max(sum(len(x) for x in mine), 1))
     return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=pool(rows, model.config.num_layers, plan),
-                agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count)
+                agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count, by_length=by_length)
+
+
+def _row(r: dict, rep) -> dict:
+    """An `ar` row and its replay -> the replayed row (the engine's counts for that prompt)."""
+    return dict(bench=r["bench"], prompt_index=r["prompt_index"], tokens=rep.tokens, cycles=rep.cycles,
+                accepted=rep.accepted, rejected=rep.rejected, verified_fill=rep.verified_fill.tolist(),
+                accepted_fill=rep.accepted_fill.tolist())
+
+
+def repeats(ids, k: int = REPEAT) -> np.ndarray:
+    """ids [N] -> [N] bool: the token at i closes a k-gram that already occurred earlier in ids. Greedy
+    continuations of a small model fall into loops as they grow, and a drafter predicts a loop easily, so
+    this share says how much of a long run's S0 is repetition."""
+    seen, out = set(), np.zeros(len(ids), bool)
+    for i in range(k - 1, len(ids)):
+        gram = tuple(ids[i - k + 1:i + 1])
+        out[i] = gram in seen
+        seen.add(gram)
+    return out
+
+
+def budgets(max_new: int) -> list[int]:
+    """The smaller budgets of new tokens a replay also reports (powers of two from 8 below max_new): the
+    engine's run on a prompt with budget L commits the first L tokens of the same greedy continuation, so
+    one continuation gives S0 at every shorter length, the same runs cut earlier."""
+    return [2 ** i for i in range(3, max(max_new, 1).bit_length()) if 2 ** i < max_new]
 
 
 def pool(rows: list[dict], num_layers: int, plan) -> dict:
@@ -140,7 +179,7 @@ def pool(rows: list[dict], num_layers: int, plan) -> dict:
     for r in rows:
         groups[r["bench"]].append(r)
         groups["all"].append(r)
-    for bench, rs in groups.items():
+    for bench, rs in sorted(groups.items(), key=lambda g: (g[0] == "all", g[0])):  # "all" last
         tok, cyc = sum(r["tokens"] for r in rs), sum(r["cycles"] for r in rs)
         checked = [r for r in rs if "engine" in r]
         same = sum(all(r["engine"][k] == r[k] for k in ("cycles", "accepted", "rejected")) for r in checked)
@@ -182,6 +221,22 @@ def markdown(results: list[dict], setup: dict) -> str:
         lines.append(f"| {_name(res['psm'])} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
         lines.append(f"| {_name(res['psm'])} verified | " + " | ".join(
             f"{a}/{v}" for a, v in zip(p["accepted_fill"], p["verified_fill"])) + " |")
+    lengths = sorted(results[0]["by_length"])
+    if len(lengths) > 1:
+        head = " | ".join(f"L={L}" for L in lengths) + " |"
+        lines += ["", "Pooled S0 by the budget of new tokens: the same runs with a smaller budget (the first L tokens "
+                  "of each continuation, as the engine commits them with budget L).", "",
+                  "| PSM | bench | " + head, "|---|---|" + "---|" * len(lengths)]
+        for res in results:
+            by = res["by_length"]
+            lines += [f"| {_name(res['psm'])} | {b} | " + " | ".join(f"{by[L][b]['S0']:.3f}" for L in lengths) + " |"
+                      for b in by[lengths[-1]]]
+        by = results[0]["by_length"]
+        lines += ["", f"Share of those tokens that close a {REPEAT}-gram already seen in the same continuation (loops, "
+                  "which drafters predict easily; a property of the continuations, the same for every PSM):", "",
+                  "| bench | " + head, "|---|" + "---|" * len(lengths)]
+        lines += [f"| {b} | " + " | ".join(f"{by[L][b]['repeated']:.3f}" for L in lengths) + " |"
+                  for b in by[lengths[-1]]]
     return "\n".join(lines) + "\n"
 
 
@@ -193,18 +248,26 @@ def plot(results: list[dict], png: Path) -> None:
 
     n = results[0]["n"]
     k = np.arange(1, n + 1)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     width = 0.8 / len(results)
     for i, res in enumerate(results):
         name = _name(res["psm"])
         ax[0].plot(k, res["agreement_by_fill"], marker="o", label=name)
         v = np.asarray(res["pooled"]["all"]["verified_fill"], float)
         ax[1].bar(k + (i - (len(results) - 1) / 2) * width, v / max(v.sum(), 1), width, label=name)
+        lengths = sorted(res["by_length"])
+        ax[2].plot(lengths, [res["by_length"][L]["all"]["S0"] for L in lengths], marker="o", label=name)
     ax[0].set(xlabel="fill k (tokens in flight at the draft)", ylabel="teacher-forced agreement",
               title="draft agreement with the target by fill")
     ax[1].set(xlabel="fill k", ylabel="share of verified drafts", title="which fills the engine verifies (greedy)")
-    for a in ax:
+    ax[2].set(xlabel="budget of new tokens L", ylabel="pooled S0", title="S0 by generation length (greedy)")
+    ax[2].set_xscale("log", base=2)
+    lengths = sorted(results[0]["by_length"])
+    ax[2].set_xticks(lengths, [str(L) for L in lengths])
+    ax[2].minorticks_off()
+    for a in ax[:2]:
         a.set_xticks(k)
+    for a in ax:
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=8)
     fig.tight_layout()

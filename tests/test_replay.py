@@ -84,8 +84,9 @@ def test_psm_drafts_by_fill_replay_the_engines_run(deep, reference, n):
 
 def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     """infer.replay over an infer.evaluate run: every prompt's replayed counts equal the engine's spd
-    row, and so do the pooled alpha and S0; tables and plot are written. After another PSM is written to
-    the same path, the run's spd rows (of the old one) are not checked against it."""
+    row, and so do the pooled alpha and S0, and at a smaller budget the engine's runs with that budget;
+    tables and plot are written. After another PSM is written to the same path, the run's spd rows (of
+    the old one) are not checked against it."""
     import json
 
     from infer import evaluate, replay
@@ -109,6 +110,16 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     assert pooled["S0"] == pytest.approx(sum(r["tokens"] for r in spd) / sum(r["cycles"] for r in spd) * spec.n)
     assert len(res["agreement_by_fill"]) == n and (out / "replay" / "replay.png").stat().st_size > 0
     assert "3/3 prompts equal" in (out / "replay" / "replay.md").read_text()
+    # the same runs with budget 8, replayed from the 12-token continuations, are the engine's own 8-token runs
+    assert sorted(res["by_length"]) == ["12", "8"] and res["by_length"]["12"]["all"]["S0"] == pooled["S0"]
+    short = tmp_path / "eval8"
+    evaluate.evaluate(deep, {str(bench): evaluate.read_benchmark(str(bench))}, ["spd"], [n], [0.0], 8, short,
+                      spec=str(psm), progress=False)
+    spd8 = [json.loads(x) for x in (short / "results.jsonl").read_text().splitlines()]
+    assert res["by_length"]["8"]["all"]["cycles"] == sum(r["cycles"] for r in spd8)
+    assert res["by_length"]["8"]["all"]["tokens"] == sum(r["tokens"] for r in spd8)
+    assert "L=8 | L=12" in (out / "replay" / "replay.md").read_text()
+    assert 0.0 <= res["by_length"]["8"]["all"]["repeated"] <= res["by_length"]["12"]["all"]["repeated"] * 12 / 8 + 1e-9
     # another PSM written to the same path: the engine's rows are the old one's (their drafter_id), not
     # checked against this one's replay
     import shutil
@@ -121,3 +132,10 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     with pytest.raises(SystemExit):
         replay.main(["--n", "4"])  # --from is required
     assert replay.main(["--from", str(tmp_path / "none")]) == 2
+
+
+def test_repeats_marks_the_tokens_that_close_a_seen_ngram():
+    from infer.replay import repeats
+
+    assert repeats([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5]).tolist() == [False] * 7 + [True] * 4 + [False]
+    assert not repeats([7, 7, 7]).any() and repeats([7, 7, 7, 7, 7]).tolist() == [False] * 4 + [True]
