@@ -134,13 +134,14 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
         agree += gen.sum(0)
         count += len(gen)
     loops = [repeats(r["token_ids"]) for r in ar]
-    by_length = {}
+    by_length = []  # [{L, pooled: {bench: ...}}], L ascending
     for L, rs in list(cut.items()) + [(max_new, rows)]:
-        by_length[L] = {b: {k: v[k] for k in ("tokens", "cycles", "alpha", "S0")}
-                        for b, v in pool(rs, model.config.num_layers, plan).items()}
-        for b, v in by_length[L].items():
+        pooled = {b: {k: v[k] for k in ("tokens", "cycles", "alpha", "S0", "accepted", "rejected")}
+                  for b, v in pool(rs, model.config.num_layers, plan).items()}
+        for b, v in pooled.items():
             mine = [x[:L] for x, r in zip(loops, ar) if b in ("all", r["bench"])]
             v["repeated"] = float(sum(x.sum() for x in mine) / max(sum(len(x) for x in mine), 1))
+        by_length.append(dict(L=L, pooled=pooled))
     return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=pool(rows, model.config.num_layers, plan),
                 agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count, by_length=by_length)
 
@@ -155,7 +156,7 @@ def _row(r: dict, rep) -> dict:
 def repeats(ids, k: int = REPEAT) -> np.ndarray:
     """ids [N] -> [N] bool: the token at i closes a k-gram that already occurred earlier in ids. Greedy
     continuations of a small model fall into loops as they grow, and a drafter predicts a loop easily, so
-    this share says how much of a long run's S0 is repetition."""
+    the share of such tokens says how much of a long run is repetition."""
     seen, out = set(), np.zeros(len(ids), bool)
     for i in range(k - 1, len(ids)):
         gram = tuple(ids[i - k + 1:i + 1])
@@ -221,22 +222,21 @@ def markdown(results: list[dict], setup: dict) -> str:
         lines.append(f"| {_name(res['psm'])} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
         lines.append(f"| {_name(res['psm'])} verified | " + " | ".join(
             f"{a}/{v}" for a, v in zip(p["accepted_fill"], p["verified_fill"])) + " |")
-    lengths = sorted(results[0]["by_length"])
-    if len(lengths) > 1:
-        head = " | ".join(f"L={L}" for L in lengths) + " |"
+    if len(results[0]["by_length"]) > 1:
+        head = " | ".join(f"L={e['L']}" for e in results[0]["by_length"]) + " |"
         lines += ["", "Pooled S0 by the budget of new tokens: the same runs with a smaller budget (the first L tokens "
                   "of each continuation, as the engine commits them with budget L).", "",
-                  "| PSM | bench | " + head, "|---|---|" + "---|" * len(lengths)]
+                  "| PSM | bench | " + head, "|---|---|" + "---|" * len(results[0]["by_length"])]
         for res in results:
             by = res["by_length"]
-            lines += [f"| {_name(res['psm'])} | {b} | " + " | ".join(f"{by[L][b]['S0']:.3f}" for L in lengths) + " |"
-                      for b in by[lengths[-1]]]
+            lines += [f"| {_name(res['psm'])} | {b} | " + " | ".join(f"{e['pooled'][b]['S0']:.3f}" for e in by) + " |"
+                      for b in by[-1]["pooled"]]
         by = results[0]["by_length"]
         lines += ["", f"Share of those tokens that close a {REPEAT}-gram already seen in the same continuation (loops, "
                   "which drafters predict easily; a property of the continuations, the same for every PSM):", "",
-                  "| bench | " + head, "|---|" + "---|" * len(lengths)]
-        lines += [f"| {b} | " + " | ".join(f"{by[L][b]['repeated']:.3f}" for L in lengths) + " |"
-                  for b in by[lengths[-1]]]
+                  "| bench | " + head, "|---|" + "---|" * len(by)]
+        lines += [f"| {b} | " + " | ".join(f"{e['pooled'][b]['repeated']:.3f}" for e in by) + " |"
+                  for b in by[-1]["pooled"]]
     return "\n".join(lines) + "\n"
 
 
@@ -255,14 +255,14 @@ def plot(results: list[dict], png: Path) -> None:
         ax[0].plot(k, res["agreement_by_fill"], marker="o", label=name)
         v = np.asarray(res["pooled"]["all"]["verified_fill"], float)
         ax[1].bar(k + (i - (len(results) - 1) / 2) * width, v / max(v.sum(), 1), width, label=name)
-        lengths = sorted(res["by_length"])
-        ax[2].plot(lengths, [res["by_length"][L]["all"]["S0"] for L in lengths], marker="o", label=name)
+        ax[2].plot([e["L"] for e in res["by_length"]], [e["pooled"]["all"]["S0"] for e in res["by_length"]],
+                   marker="o", label=name)
     ax[0].set(xlabel="fill k (tokens in flight at the draft)", ylabel="teacher-forced agreement",
               title="draft agreement with the target by fill")
     ax[1].set(xlabel="fill k", ylabel="share of verified drafts", title="which fills the engine verifies (greedy)")
     ax[2].set(xlabel="budget of new tokens L", ylabel="pooled S0", title="S0 by generation length (greedy)")
     ax[2].set_xscale("log", base=2)
-    lengths = sorted(results[0]["by_length"])
+    lengths = [e["L"] for e in results[0]["by_length"]]
     ax[2].set_xticks(lengths, [str(L) for L in lengths])
     ax[2].minorticks_off()
     for a in ax[:2]:
