@@ -134,15 +134,17 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
         agree += gen.sum(0)
         count += len(gen)
     loops = [repeats(r["token_ids"]) for r in ar]
+    full = pool(rows, model.config.num_layers, plan)
+    pools = {L: pool(rs, model.config.num_layers, plan) for L, rs in cut.items()} | {max_new: full}
     by_length = []  # [{L, pooled: {bench: ...}}], L ascending
-    for L, rs in list(cut.items()) + [(max_new, rows)]:
+    for L, whole in pools.items():
         pooled = {b: {k: v[k] for k in ("tokens", "cycles", "alpha", "S0", "accepted", "rejected")}
-                  for b, v in pool(rs, model.config.num_layers, plan).items()}
+                  for b, v in whole.items()}
         for b, v in pooled.items():
             mine = [x[:L] for x, r in zip(loops, ar) if b in ("all", r["bench"])]
             v["repeated"] = float(sum(x.sum() for x in mine) / max(sum(len(x) for x in mine), 1))
         by_length.append(dict(L=L, pooled=pooled))
-    return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=pool(rows, model.config.num_layers, plan),
+    return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=full,
                 agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count, by_length=by_length)
 
 
