@@ -60,7 +60,7 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
     assert "n = 8" in text and "python -m train.main --config c.yaml\n```" in text and "EVAL" in text
     assert "--export" not in text  # exports trained nothing: not among the training commands
     assert "- data: sharegpt (chat template," in text  # all of it: no limit
-    assert "response positions seen **3,000**" in text and "2.00 h of wall clock" in text and "1.0 MB" in text
+    assert "response positions seen **3,000**" in text and "2.00 h of wall clock" in text and "1.0 MiB" in text
     assert "median 30.0 s per step" in text
     # from the TrainConfig: tau from the config, lr parsed, clip's default where the config has none
     assert "at tau = 2 " in text and "lr 0.0003," in text and "clip 1\n" in text and "None" not in text

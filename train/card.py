@@ -89,7 +89,7 @@ def _no_rows(what: str, how: str) -> list[str]:
             f"`{how}` and rebuild this card.", ""]
 
 
-def _dir_mb(path: Path) -> float:
+def _dir_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
 
 
@@ -179,7 +179,7 @@ def _warm_start_line(run: dict, trained: dict) -> list[str]:
             f"steps below are this run's only){total}"]
 
 
-def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mb: float,
+def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], eval_cmd: str, size_mib: float,
                   setup: dict | None = None, drafter: str = "DRAFTER", lineage: list[dict] | None = None) -> str:
     """table: `infer.evaluate.pooled` over this PSM's rows (`drafter_rows`), setup their setup; an empty
     table: the card says the evaluation holds none. lineage: `update_lineage`'s points."""
@@ -198,7 +198,7 @@ def card_markdown(run: dict, metrics: list[dict], psm: dict, table: list[dict], 
         f"{spec['plan']} (layers per stage; the depth staircase depends on it), "
         + (f"a draft vocabulary of {spec['draft_vocab']} tokens" if spec.get("draft_vocab") else
            f"the target's whole vocabulary ({target[3]} tokens)")
-        + f". Weights bfloat16, {size_mb:.1f} MB; the LM head is the target's (frozen in training, not stored).",
+        + f". Weights bfloat16, {size_mib:.1f} MiB; the LM head is the target's (frozen in training, not stored).",
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *_training_commands(run), "```", "",
@@ -354,7 +354,7 @@ def plot_lineage(points: list[dict], png: Path) -> None:
 
 
 def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list[dict], eval_cmd: str,
-                         size_mb: float, setup: dict | None = None, drafter: str = "DRAFTER") -> str:
+                         size_mib: float, setup: dict | None = None, drafter: str = "DRAFTER") -> str:
     """The card of an EAGLE-3-style drafter (eagle3.json): as `card_markdown`, with tokens per target
     pass (verification round) in place of alpha / S0, and this drafter's eagle3 rows (ar's for reference)."""
     trained, tc = meta.get("trained", {}), _train_config(run)
@@ -371,7 +371,7 @@ def eagle3_card_markdown(run: dict, metrics: list[dict], meta: dict, table: list
         "decoder layer of the target's attention kind, its own final norm and the target's LM head "
         + (f"over a draft vocabulary of {meta['draft_vocab']} tokens" if meta.get("draft_vocab") else
            f"(its whole vocabulary, {target[3]} tokens)")
-        + f". Weights bfloat16, {size_mb:.1f} MB; the LM head is the target's (frozen in training, not stored). "
+        + f". Weights bfloat16, {size_mib:.1f} MiB; the LM head is the target's (frozen in training, not stored). "
         "Decoding: k drafts per round, one target pass over k + 1 positions, the longest verified prefix plus "
         "the target's token (`python -m infer.generate --mode eagle3 --k 3 --drafter DIR`).",
         "", "## Training", "",
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
         if run_dir:
             metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             extra = {} if eagle else dict(lineage=lineage)
-            new = write(run, metrics, psm, table, eval_cmd, _dir_mb(psm_dir / "params"), setup, args.psm, **extra)
+            new = write(run, metrics, psm, table, eval_cmd, _dir_mib(psm_dir / "params"), setup, args.psm, **extra)
         elif eagle:
             new = "\n".join(eagle3_evaluation(table, eval_cmd, setup, 3, args.psm))
         else:
