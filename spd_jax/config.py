@@ -34,6 +34,15 @@ class ConfigError(ValueError):
     """A config.json the decoder cannot run exactly."""
 
 
+def read_json(path: str | Path, fix: str) -> Any:
+    """The JSON file at path; one that does not parse raises ConfigError naming the file and `fix` (what
+    restores it), where json's own message names neither."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}): {fix}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -209,7 +218,14 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}: point --model at a Hugging Face "
                                     "checkpoint directory (config.json + *.safetensors)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        d = read_json(path, "the checkpoint's config.json is damaged; copy it again from the checkpoint's source")
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not a Hugging Face config (an object)")
+        try:
+            return cls.from_hf_dict(d)
+        except KeyError as e:  # from_hf_dict reads the keys every model of its family has without a default
+            raise ConfigError(f"{path} has no {e.args[0]!r}, which a {d.get('model_type', '?')} config needs: the "
+                              "file is incomplete; copy it again from the checkpoint's source") from None
 
 
 def _rope_from_hf(d: dict[str, Any], allow_partial: bool = False) -> tuple[RopeConfig, float]:

@@ -110,3 +110,65 @@ def test_token_ids_out_of_vocab(model):
 def test_unknown_dtype(tiny_ckpt):
     with pytest.raises(ValueError, match="dtype must be one of"):
         spd_jax.load_model(tiny_ckpt("llama", True)[0], dtype="float8")
+
+
+def test_damaged_config_json_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text[: len(text) // 2])  # cut short
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON .*copy it again"):
+        spd_jax.load_model(d)
+    cfg = json.loads(text)
+    del cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config\.json has no 'num_hidden_layers', which a llama config needs"):
+        spd_jax.load_model(d)
+
+
+def test_truncated_safetensors_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt("llama", False)[0], tmp_path / "m")
+    weights = d / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)  # a download or conversion cut short
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file .*cut short"):
+        spd_jax.load_model(d)
+
+
+def test_damaged_drafter_checkpoint_is_named(model, tmp_path):
+    """A PSM whose identity file does not parse, whose weights are cut short or gone, or whose identity
+    promises other shapes than its weights have: an error naming the directory and how to restore it
+    (orbax's own name neither), and the directory is left as it was."""
+    from spd_jax.decode import pipelined
+    from spd_jax.drafters.psm import PSMConfig, init_psm, load_psm, save_psm
+
+    plan = pipelined.plan_for(model, 2).counts
+    spec = PSMConfig.for_target(model.config, plan, num_layers=1)
+    good = tmp_path / "good"
+    save_psm(good, init_psm(model.config, spec, model.params), spec)
+    load = lambda p: load_psm(p, model.config, plan, model.params)  # noqa: E731
+    load(good)
+
+    bad = _copy(good, tmp_path / "json")
+    (bad / "psm.json").write_text((bad / "psm.json").read_text()[:20])
+    with pytest.raises(ConfigError, match=r"psm\.json is not valid JSON .*train\.main --export"):
+        load(bad)
+
+    bad = _copy(good, tmp_path / "cut")
+    data = max((p for p in (bad / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    before = sorted((p.name, p.stat().st_size) for p in bad.rglob("*") if p.is_file())
+    with pytest.raises(ValueError, match=rf"the weights in {bad}/params do not read .*damaged"):
+        load(bad)
+    assert sorted((p.name, p.stat().st_size) for p in bad.rglob("*") if p.is_file()) == before
+
+    bad = _copy(good, tmp_path / "shape")  # the identity says 2 layers, the weights hold 1
+    meta = json.loads((bad / "psm.json").read_text())
+    (bad / "psm.json").write_text(json.dumps(dict(meta, num_layers=2)))
+    with pytest.raises(ValueError, match=rf"the weights in {bad}/params do not read as the drafter"):
+        load(bad)
+
+    bad = _copy(good, tmp_path / "gone")
+    shutil.rmtree(bad / "params")
+    with pytest.raises(FileNotFoundError, match=r"has an identity file but no params/"):
+        load(bad)

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from spd_jax.config import ModelConfig
 from spd_jax.models import schema
@@ -41,6 +41,16 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match its config (names the offending tensor)."""
 
 
+def _open(path: Path, framework: str):
+    """safe_open, with a file cut short or damaged (its header promises more bytes than it holds) named."""
+    try:
+        return safe_open(path, framework=framework)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}): it was cut short or damaged; "
+                              "copy or convert it again (the default model: delete its directory in the cache, "
+                              "~/.cache/spd_jax or $SPD_JAX_CACHE, and the next run converts it again)") from None
+
+
 def _safetensors_files(ckpt: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = ckpt / "model.safetensors.index.json"
@@ -53,7 +63,7 @@ def _safetensors_files(ckpt: Path) -> dict[str, Path]:
         return files
     single = ckpt / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="numpy") as f:
+        with _open(single, "numpy") as f:
             return {name: single for name in f.keys()}
     if any(ckpt.glob("*.bin")) or any(ckpt.glob("*.pt")) or any(ckpt.glob("*.pth")):
         raise CheckpointError(f"{ckpt} holds only PyTorch pickle weights; spd-jax reads safetensors only "
@@ -85,7 +95,7 @@ class CheckpointReader:
                 expected[self.layer_name(i, leaf)] = leaf.hf_shape
         allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
 
-        self._np = {f: safe_open(f, framework="numpy") for f in set(files.values())}
+        self._np = {f: _open(f, "numpy") for f in set(files.values())}
         self._jx: dict[Path, object] = {}  # numpy cannot hold bfloat16: those tensors are read through jax
         missing = [n for n in expected if n not in files]
         if missing:
@@ -116,7 +126,7 @@ class CheckpointReader:
         if sl.get_dtype() != "BF16":
             return sl[hf_index]
         if f not in self._jx:
-            self._jx[f] = safe_open(f, framework="flax")
+            self._jx[f] = _open(f, "flax")
         return np.asarray(self._jx[f].get_slice(name)[hf_index])
 
     def read(self, name: str, leaf: Leaf, index: tuple, dtype) -> np.ndarray:

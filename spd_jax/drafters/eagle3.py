@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ATTENTION, ModelConfig, read_json
 from spd_jax.drafters.base import features, join_params, teacher_forward
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
+from spd_jax.drafters.store import DAMAGED
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
@@ -366,7 +367,7 @@ def read_spec(path: str | Path) -> Eagle3Config:
     meta = path / "eagle3.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
-    return spec_from_json(json.loads(meta.read_text()), str(path))
+    return spec_from_json(read_json(meta, DAMAGED), str(path))
 
 
 def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ATTENTION, ModelConfig, read_json
 from spd_jax.drafters.base import anchor_states, teacher_forward
-from spd_jax.drafters.store import restore_variables
+from spd_jax.drafters.store import DAMAGED, restore_variables
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
                                       softmax_blocks)
@@ -544,7 +544,7 @@ def read_spec(path: str | Path) -> PSMConfig:
     meta = path / "psm.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a PSM checkpoint (no psm.json); train one with train.main")
-    return spec_from_json(json.loads(meta.read_text()), str(path))
+    return spec_from_json(read_json(meta, DAMAGED), str(path))
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",

@@ -31,16 +31,46 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
         (path / meta_name).write_text(json.dumps(meta, indent=1))
 
 
+def orbax_failure(e: Exception) -> str:
+    """What orbax said of a checkpoint it could not read: the first line of its error (the rest is a
+    TensorStore spec). Also keeps quiet, for the rest of the process, what that restore's reads still in
+    flight report once its event loop has closed ("Event loop is closed", an unraisable exception at exit):
+    the caller raises the real error."""
+    import sys
+
+    default = sys.unraisablehook
+
+    def hook(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            default(u)
+
+    sys.unraisablehook = hook
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].split(" See full TensorStore")[0][:200]
+
+
+# What restores a damaged drafter checkpoint (an identity file that does not parse, weights that do not read)
+DAMAGED = "copy the checkpoint directory again from where it came, or write it again with train.main --export"
+
+
 def restore_variables(path: str | Path, abstract: dict) -> dict:
     """path/params (orbax) -> variables of `abstract`'s shapes and dtypes, on this process's first device,
     whatever mesh the trainer saved from (an 8x1 data-parallel run restores on a laptop); the engines place
-    them from there."""
+    them from there. Weights that are missing, cut short or of other shapes than the identity file says
+    raise ValueError naming the directory (orbax's own errors name neither it nor a fix)."""
     import jax
     import orbax.checkpoint as ocp
 
+    params = Path(path) / "params"
+    if not params.is_dir():
+        raise FileNotFoundError(f"{path} has an identity file but no params/ (its weights): {DAMAGED}")
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
-    return ocp.StandardCheckpointer().restore(Path(path) / "params", abstract)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:  # closed on failure too: no asyncio noise at exit
+            return ckptr.restore(params, abstract)
+    except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a damaged file
+        raise ValueError(f"the weights in {params} do not read as the drafter its identity file describes "
+                         f"({orbax_failure(e)}): the checkpoint is damaged or its files are mixed up; {DAMAGED}") from e
 
 
 # ---------------------------------------------------------------- identities
