@@ -53,7 +53,12 @@ def test_bad_config_file_and_keys(tmp_path, capsys):
     assert "is not a mapping" in capsys.readouterr().err
     (tmp_path / "broken.yaml").write_text("n: [8\n")
     assert train_main.main(["--config", str(tmp_path / "broken.yaml"), *out]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
+    assert capsys.readouterr().err.startswith(f"error: training config {tmp_path / 'broken.yaml'} is not valid YAML")
+    assert train_main.main(["--config", CONFIG, "n=[8", *out]) == 2
+    assert capsys.readouterr().err.startswith("error: override 'n=[8': its value is not valid YAML")
+    assert train_main.main(["--config", CONFIG, "stages=a,b", *out]) == 2
+    assert "error: stages='a,b': stages takes integers" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_optional_package(tmp_path, monkeypatch, capsys):

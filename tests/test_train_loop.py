@@ -323,6 +323,35 @@ def test_interrupted_save_resumes_from_the_previous_step(llama, tmp_path):
     assert loop.Checkpoints(tmp_path / "ckpt", tc).latest() == 1
 
 
+def test_a_damaged_checkpoint_is_named_with_the_step_before_it(llama, tmp_path):
+    """A finalised checkpoint damaged on disk afterwards (not a kill mid-save: orbax never finalises that
+    one): restoring it names it and the kept step to fall back to; the files are left as they were."""
+    tc, spec, opt = _setup(llama)
+    state, _, _ = _run(llama, tc, spec, opt, "1x1", 1)
+    ck = loop.Checkpoints(tmp_path / "ckpt", tc)
+    for step in (1, 2):
+        ck.save(step, state, dict(positions=step, wall_s=0.0))
+    data = max((p for p in (tmp_path / "ckpt" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    abstract = jax.eval_shape(lambda: state)
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt' / '2'} does not read .*damaged; delete "
+                                         rf"{tmp_path / 'ckpt' / '2'} to resume from step 1"):
+        ck.restore(2, abstract)
+    restored, meta = ck.restore(1, abstract)
+    assert meta["positions"] == 1 and int(restored["step"]) == int(state["step"])
+
+
+def test_a_damaged_corpus_cache_is_named(tmp_path):
+    seqs = [(np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], bool))]
+    path = tmp_path / "corpus-x.npz"
+    loop.save_sequences(seqs, path)
+    assert all((a == b).all() for s, t in zip(loop.load_sequences(path), seqs) for a, b in zip(s, t))
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match=rf"cached corpus {path} does not read .*delete it and the next run builds"):
+        loop.load_sequences(path)
+
+
 def test_mismatched_psm_is_refused(llama, tiny_ckpt):
     deep = llama
     spec = PSMConfig.for_target(deep.config, (2, 2, 2, 2))
@@ -565,6 +594,18 @@ def test_cli_trains_and_the_psm_decodes(smollm2, tmp_path):
     assert spec.draft_vocab == 4096 and v["vocab"]["ids"].shape == (4096,)
     # SmolLM2 ties its head: the draft vocabulary's rows of the embedding
     assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])
+    # a checkpoint damaged on disk after its save: --resume names it and the kept step before it, and
+    # leaves run.json (the run's record of its commands) as it was
+    record = (out / "run.json").read_text()
+    last = max(int(d.name) for d in (out / "ckpt").iterdir() if d.name.isdigit())
+    data = max((f for f in (out / "ckpt" / str(last)).rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    r = subprocess.run(common + ["--steps", "4", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"checkpoint {out / 'ckpt' / str(last)} does not read" in r.stderr and "to resume from step" in r.stderr
+    assert (out / "run.json").read_text() == record
 
 
 @pytest.mark.real_model

@@ -128,7 +128,10 @@ class TrainConfig:
                 v = d[k]
                 d[k] = tuple(v.split(",") if isinstance(v, str) else v)
                 if k != "sources":
-                    d[k] = tuple(int(x) for x in d[k])
+                    try:
+                        d[k] = tuple(int(x) for x in d[k])
+                    except (TypeError, ValueError):
+                        raise ValueError(f"{k}={v!r}: {k} takes integers, as a list [4, 4] or a string 4,4") from None
         for f in dataclasses.fields(cls):  # YAML reads "3e-4" (no dot) as a string
             if f.name in d and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
                 try:
@@ -231,8 +234,16 @@ def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> Non
 
 
 def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    z = np.load(path, allow_pickle=False)
-    ids, mask, off = z["ids"], z["mask"], z["offsets"]
+    """A cached corpus (or chunk of one) -> [(ids [T], loss_mask [T])]; a file that does not read (damaged
+    on disk: save_sequences replaces files whole) raises ValueError naming it and the fix."""
+    import zipfile
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            ids, mask, off = z["ids"], z["mask"], z["offsets"]
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError) as e:
+        raise ValueError(f"cached corpus {path} does not read ({type(e).__name__}: {e}): it is damaged; delete it "
+                         "and the next run builds it again") from None
     return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
@@ -660,8 +671,21 @@ class Checkpoints:
         self.mngr.wait_until_finished()
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
+        """The state and meta saved at step; a checkpoint that does not read (a damaged file: a run killed
+        mid-save never finalises one, so this is damage after the save) raises ValueError naming it and the
+        steps kept beside it: deleting it resumes from the one before, where the run can redo the steps."""
         a = self.ocp.args
-        out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state), meta=a.JsonRestore()))
+        try:
+            out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state),
+                                                           meta=a.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a damaged file
+            from spd_jax.drafters.store import orbax_failure
+
+            where = Path(self.mngr.directory) / str(step)
+            earlier = [k for k in self.all_steps() if k < step]
+            fix = (f"delete {where} to resume from step {earlier[-1]}, the one before it" if earlier else
+                   "no earlier checkpoint is kept: train a new run with another --out")
+            raise ValueError(f"checkpoint {where} does not read ({orbax_failure(e)}): it is damaged; {fix}") from e
         return out["state"], out["meta"]
 
 
@@ -688,7 +712,14 @@ def check_resume(was: dict, identity: dict) -> None:
 
         was["spec"] = json.loads(json.dumps(spec_to_json(spec_from_json(was["spec"]))))
     if was != identity:
-        raise ValueError(f"it was trained for {was}, not {identity}")
+        def flat(d, pre=""):
+            return {k2: v2 for k, v in d.items()
+                    for k2, v2 in (flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(pre + k, v)])}
+        a, b = flat(was), flat(identity)
+        diff = [f"{k}: run {a.get(k)!r}, this config {b.get(k)!r}"
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        raise ValueError(f"it was trained for another drafter or target ({'; '.join(diff)}); set the config to match "
+                         "or use a new --out")
 
 
 # What decides a run's data and its order: a resume must keep them, or "continues with the same data

