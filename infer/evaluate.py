@@ -412,16 +412,20 @@ def job_order(benches: dict[str, list[dict]], temperatures, configs: list[tuple]
 
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
              spec=None, seed: int = 0, progress: bool = True, write: bool = True, ks=(3,),
-             drafter=None, method_ns: dict[str, list[int]] | None = None, block: int = 8) -> list[dict]:
+             drafter=None, method_ns: dict[str, list[int]] | None = None, block: int = 8,
+             command: list[str] | None = None) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
     finishes (write=False: compute the same rows, write nothing: the other processes of a job); a method
     in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
     else random; "random"; a checkpoint directory); rows run in blocks of `block` prompts (`job_order`).
+    `command` (the CLI's arguments) goes to out/commands.txt once every depth and drafter has been checked,
+    before any row runs: a killed run's rows have their command, a refused command leaves no line.
     -> all rows of this setup."""
     import contextlib
 
     import spd_jax
+    from spd_jax.pipeline.partition import plan_stages
     from spd_jax.progress import progress_bar
 
     path = out / "results.jsonl"
@@ -460,8 +464,12 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                     path)
         rows = [r for r in rows if r.get("drafter_id") == id_of(r["method"], r["n"])]
     L = model.config.num_layers
+    for _, n, _ in configs:  # a depth the model cannot split into fails here, not at its first row
+        plan_stages(L, max(n, 1))
     if write:
         out.mkdir(parents=True, exist_ok=True)
+        if command is not None:
+            record_command(out, command)
     with (path.open("a") if write else contextlib.nullcontext()) as f:
         for bench, i, p, method, n, k, temp in progress_bar(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
@@ -560,6 +568,8 @@ def main(argv=None) -> int:
             ap.error(f"--temperature takes 0 and/or 1 (the reference's settings), got {t}")
     if args.block < 1:
         ap.error(f"--block takes at least 1 prompt, got {args.block}")
+    if args.limit < 1:
+        ap.error(f"--limit takes at least 1 prompt per benchmark, got {args.limit}")
     try:
         args.methods, method_ns = parse_methods(args.methods)
     except ValueError as e:
@@ -586,13 +596,10 @@ def main(argv=None) -> int:
         benches = {b: read_benchmark(b, args.limit) for b in args.bench}  # a bad --bench fails before the load
         model = spd_jax.load_model(args.model)
         out = Path(args.out)
-        if leader:  # before any row, so a killed run's rows have their command too
-            out.mkdir(parents=True, exist_ok=True)
-            record_command(out, argv)
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
                         args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter,
-                        method_ns=method_ns, block=args.block)
+                        method_ns=method_ns, block=args.block, command=argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

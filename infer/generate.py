@@ -35,7 +35,7 @@ def read_prompt_file(path: str) -> list[str]:
     (so the MT-Bench, GSM8K and HumanEval files under data/ read directly)."""
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"error: --prompt-file {path} does not exist")
+        raise FileNotFoundError(f"--prompt-file {path} does not exist")
     opener = gzip.open if p.suffix == ".gz" else open
     prompts = []
     with opener(p, "rt", encoding="utf-8") as f:
@@ -47,23 +47,26 @@ def read_prompt_file(path: str) -> list[str]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise SystemExit(f"error: {path}:{n} is not valid JSON ({e})")
+                    raise ValueError(f"{path}:{n} is not valid JSON ({e})") from None
                 text = prompt_field(obj)
                 if text is None:
-                    raise SystemExit(f"error: {path}:{n} has none of the fields {', '.join(PROMPT_FIELDS)}")
+                    raise ValueError(f"{path}:{n} has none of the fields {', '.join(PROMPT_FIELDS)}")
                 prompts.append(text)
             else:
                 prompts.append(line)
     if not prompts:
-        raise SystemExit(f"error: --prompt-file {path} holds no prompts")
+        raise ValueError(f"--prompt-file {path} holds no prompts")
     return prompts
 
 
-def parse_ids(s: str) -> list[int]:
-    try:
-        return [int(t) for t in s.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {s!r}")
+def int_list(flag: str, example: str):
+    """An argparse type: comma-separated integers -> [int], or a usage error naming flag and an example."""
+    def parse(s: str) -> list[int]:
+        try:
+            return [int(t) for t in s.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers (e.g. {example}), got {s!r}")
+    return parse
 
 
 def _placement(v: str):
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "eagle3: chain speculative decoding on one device with the EAGLE-3-style drafter")
     ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
                                                      "width (tp)")
-    ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=None,
+    ap.add_argument("--stages", type=int_list("--stages", "4,4,3,4"), default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
     psm = ap.add_mutually_exclusive_group()
     psm.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
@@ -104,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
-    src.add_argument("--prompt-ids", type=parse_ids, help="comma-separated token ids, used as is")
+    src.add_argument("--prompt-ids", type=int_list("--prompt-ids", "1,2,3"),
+                     help="comma-separated token ids, used as is")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                     help="wrap text prompts in the tokenizer's chat template (default: when it has one)")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -104,9 +104,9 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
     from spd_jax.decode.schedule import replay_greedy
 
     plan = pipelined.plan_for(model, n)
-    spec, variables, label = pipelined.resolve_psm(model, plan, psm_path, psm_layers=2)
-    if label == "random":
+    if pipelined.psm_source(model, plan, psm_path)[0] is None:  # asked before resolve_psm announces a random one
         raise ValueError(f"no PSM to replay: none ships for {model.path.name} at n={n}; pass --psm DIR")
+    spec, variables, label = pipelined.resolve_psm(model, plan, psm_path, psm_layers=2)
     seqs = [list(p) + list(r["token_ids"]) for p, r in zip(prompts, ar)]
     rights = teacher_forced(model, spec, variables, seqs, [len(p) for p in prompts], show_progress)
     # the engine's rows of this PSM: by its content (drafter_id), not by the path, which may hold another

@@ -316,7 +316,10 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     if P + max_new_tokens > limit:
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {P + max_new_tokens} "
                          f"exceeds the cache limit of {limit} positions; shorten the prompt or lower "
-                         "max_new_tokens" + ("" if max_len else " (the limit is the model's max_position_embeddings)"))
+                         + (f"max_new_tokens, or raise max_len (--max-len) up to the model's "
+                            f"max_position_embeddings ({cfg.max_position_embeddings})" if max_len and
+                            max_len < cfg.max_position_embeddings else
+                            "max_new_tokens (the limit is the model's max_position_embeddings)"))
 
     if drafter is not None and method not in ("pipeline", "spd"):
         raise ValueError(f"drafter={drafter!r} is for method 'spd' or 'pipeline'; method {method!r} takes none"

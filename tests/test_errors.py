@@ -76,7 +76,8 @@ def test_prompt_longer_than_cache(model):
     with pytest.raises(ValueError, match=r"prompt \(500 tokens\) \+ max_new_tokens \(20\) = 520 exceeds the "
                                          r"cache limit of 512"):
         spd_jax.generate(model, [1] * 500, max_new_tokens=20)
-    with pytest.raises(ValueError, match="exceeds the cache limit of 64"):
+    with pytest.raises(ValueError, match=r"exceeds the cache limit of 64 positions; .* or raise max_len \(--max-len\) "
+                                         r"up to the model's max_position_embeddings \(512\)"):
         spd_jax.generate(model, [1] * 60, max_new_tokens=5, max_len=64)
 
 

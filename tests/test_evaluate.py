@@ -189,3 +189,30 @@ def test_the_commands_that_made_the_rows_are_recorded(tmp_path):
     evaluate.record_command(tmp_path, ["--methods", "ar,spd", "--limit", "40"])  # a resumed run: once
     assert (tmp_path / "commands.txt").read_text().splitlines() == [
         "python -m infer.evaluate --methods ar,spd --limit 40", "python -m infer.evaluate --methods eagle3 --k 3,7"]
+
+
+def test_a_refused_command_is_not_recorded(tiny, tmp_path, monkeypatch):
+    """A depth the model cannot split into fails before any row and leaves no line in commands.txt; a
+    setup that holds records its command before its first row."""
+    out = tmp_path / "e"
+    with pytest.raises(ValueError, match="n=64 pipeline stages for a model of 4 layers"):
+        evaluate.evaluate(tiny, {"b": [{"ids": [1, 2]}]}, ["ar", "pipeline"], [64], [0.0], 4, out, progress=False,
+                          command=["--methods", "ar,pipeline", "--n", "64"])
+    assert not (out / "commands.txt").exists()
+    first = []
+
+    def killed(*a, **kw):  # a run killed at its first row
+        first.append((out / "commands.txt").read_text())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spd_jax, "generate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.evaluate(tiny, {"b": [{"ids": [1, 2]}]}, ["ar"], [2], [0.0], 4, out, progress=False,
+                          command=["--methods", "ar"])
+    assert first == ["python -m infer.evaluate --methods ar\n"]
+
+
+def test_limit_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--bench", "gsm8k", "--methods", "ar", "--limit", "0"])
+    assert e.value.code == 2 and "--limit takes at least 1 prompt per benchmark, got 0" in capsys.readouterr().err
