@@ -419,8 +419,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
     else random; "random"; a checkpoint directory); rows run in blocks of `block` prompts (`job_order`).
-    `command` (the CLI's arguments) goes to out/commands.txt once every depth and drafter has been checked,
-    before any row runs: a killed run's rows have their command, a refused command leaves no line.
+    `command` (the CLI's arguments) goes to out/commands.txt once every pipeline depth and drafter has been
+    checked, before any row runs: a killed run's rows have their command, a command refused for its depths
+    or drafters leaves no line.
     -> all rows of this setup."""
     import contextlib
 
@@ -464,8 +465,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                     path)
         rows = [r for r in rows if r.get("drafter_id") == id_of(r["method"], r["n"])]
     L = model.config.num_layers
-    for _, n, _ in configs:  # a depth the model cannot split into fails here, not at its first row
-        plan_stages(L, max(n, 1))
+    for m, n, _ in configs:  # a pipeline depth the model cannot split into fails here, not at its first row
+        if m in ("pipeline", "spd"):
+            plan_stages(L, n)
     if write:
         out.mkdir(parents=True, exist_ok=True)
         if command is not None:
@@ -531,23 +533,23 @@ def parse_methods(items: list[str]) -> tuple[list[str], dict[str, list[int]]]:
     return names, own
 
 
-def _csv(kind):
-    return lambda v: [kind(x) for x in v.split(",") if x]
-
-
 def main(argv=None) -> int:
+    from infer.generate import csv_of
+
     ap = argparse.ArgumentParser(prog="python -m infer.evaluate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--bench", type=_csv(str), default=list(BENCHMARKS),
+    ap.add_argument("--bench", type=csv_of(str, "--bench", "gsm8k,my.jsonl"), default=list(BENCHMARKS),
                     help="comma-separated: mt_bench, gsm8k, humaneval, or JSONL paths")
-    ap.add_argument("--methods", type=_csv(str), default=["ar", "pipeline", "spd"],
+    ap.add_argument("--methods", type=csv_of(str, "--methods", "ar,spd@8"), default=["ar", "pipeline", "spd"],
                     help="comma-separated: ar, tp, pipeline, spd, eagle3; name@n runs that method at depth n only "
                          "(repeat for more), the others at every --n")
-    ap.add_argument("--n", type=_csv(int), default=[8], help="pipeline depths, e.g. 2,4,8")
-    ap.add_argument("--k", type=_csv(int), default=[3, 7], help="eagle3 chain lengths (drafts per round), e.g. 3,7")
+    ap.add_argument("--n", type=csv_of(int, "--n", "2,4,8"), default=[8], help="pipeline depths, e.g. 2,4,8")
+    ap.add_argument("--k", type=csv_of(int, "--k", "3,7"), default=[3, 7],
+                    help="eagle3 chain lengths (drafts per round), e.g. 3,7")
     ap.add_argument("--drafter", default=None, help="EAGLE-3 drafter checkpoint for eagle3, or 'random' (default: "
                                                     "the one shipped for the model, else a random one)")
-    ap.add_argument("--temperature", type=_csv(float), default=[0.0], help="0 (greedy) and/or 1")
+    ap.add_argument("--temperature", type=csv_of(float, "--temperature", "0,1"), default=[0.0],
+                    help="0 (greedy) and/or 1")
     ap.add_argument("--limit", type=int, default=80, help="prompts per benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--spec", default=None, help="PSM checkpoint (default: the one shipped for the model and n)")
@@ -570,6 +572,10 @@ def main(argv=None) -> int:
         ap.error(f"--block takes at least 1 prompt, got {args.block}")
     if args.limit < 1:
         ap.error(f"--limit takes at least 1 prompt per benchmark, got {args.limit}")
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens takes at least 1, got {args.max_new_tokens}")
+    if min(args.k) < 1:
+        ap.error(f"--k takes chain lengths of at least 1 draft, got {args.k}")
     try:
         args.methods, method_ns = parse_methods(args.methods)
     except ValueError as e:

@@ -59,13 +59,14 @@ def read_prompt_file(path: str) -> list[str]:
     return prompts
 
 
-def int_list(flag: str, example: str):
-    """An argparse type: comma-separated integers -> [int], or a usage error naming flag and an example."""
-    def parse(s: str) -> list[int]:
+def csv_of(kind, flag: str, example: str):
+    """An argparse type: comma-separated values -> [kind(value)], or a usage error naming flag and an example."""
+    def parse(s: str) -> list:
         try:
-            return [int(t) for t in s.replace(" ", "").split(",") if t]
+            return [kind(t.strip()) for t in s.split(",") if t.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers (e.g. {example}), got {s!r}")
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind.__name__} values (e.g. {example}), "
+                                             f"got {s!r}")
     return parse
 
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "eagle3: chain speculative decoding on one device with the EAGLE-3-style drafter")
     ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
                                                      "width (tp)")
-    ap.add_argument("--stages", type=int_list("--stages", "4,4,3,4"), default=None,
+    ap.add_argument("--stages", type=csv_of(int, "--stages", "4,4,3,4"), default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
     psm = ap.add_mutually_exclusive_group()
     psm.add_argument("--spec", default=None, help="PSM checkpoint directory (spd; default: the trained PSM shipped "
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
-    src.add_argument("--prompt-ids", type=int_list("--prompt-ids", "1,2,3"),
+    src.add_argument("--prompt-ids", type=csv_of(int, "--prompt-ids", "1,2,3"),
                      help="comma-separated token ids, used as is")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                     help="wrap text prompts in the tokenizer's chat template (default: when it has one)")
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     leader = cluster is None or distributed.is_leader()
 
     try:
+        texts = None if args.prompt_ids is not None else (
+            args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT]))
         if args.mode == "tp":  # every device reads only its own shard of each weight
             from spd_jax.sharding import TP_RULES, model_mesh
 
@@ -179,10 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=stage_mesh(devices), rules=STAGE_RULES)
         else:
             model = spd_jax.load_model(args.model, dtype=args.dtype)
-        if args.prompt_ids is not None:
+        if texts is None:
             jobs = [(None, args.prompt_ids)]
         else:
-            texts = args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT])
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
         spec = "random" if args.random_psm else args.spec
         if args.mode == "spd" and spec is None:  # a random PSM only when asked for (the API would fall back)

@@ -224,6 +224,8 @@ class ModelConfig:
         try:
             return cls.from_hf_dict(d)
         except KeyError as e:  # from_hf_dict reads the keys every model of its family has without a default
+            if not e.args or e.args[0] in d:
+                raise
             raise ConfigError(f"{path} has no {e.args[0]!r}, which a {d.get('model_type', '?')} config needs: the "
                               "file is incomplete; copy it again from the checkpoint's source") from None
 

@@ -72,7 +72,7 @@ def test_bad_input_exits_with_a_clear_message(tiny_ckpt, tmp_path):
                 check=False)
     assert p.returncode == 2 and "not allowed with argument" in p.stderr
     p = run_cli("--model", str(path), "--stages", "2,x", "--prompt-ids", "1,2", check=False)
-    assert p.returncode == 2 and "--stages takes comma-separated integers (e.g. 4,4,3,4), got '2,x'" in p.stderr
+    assert p.returncode == 2 and "--stages takes comma-separated int values (e.g. 4,4,3,4), got '2,x'" in p.stderr
     p = run_cli("--model", str(path), "--mode", "ar", "--prompt-file", str(tmp_path / "none.txt"), check=False)
     assert p.returncode == 2 and f"error: --prompt-file {tmp_path / 'none.txt'} does not exist" in p.stderr
 

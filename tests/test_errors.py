@@ -154,6 +154,11 @@ def test_damaged_drafter_checkpoint_is_named(model, tmp_path):
     with pytest.raises(ConfigError, match=r"psm\.json is not valid JSON .*train\.main --export"):
         load(bad)
 
+    meta = json.loads((good / "psm.json").read_text())
+    (bad / "psm.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "anchors"}))
+    with pytest.raises(ValueError, match=r"psm\.json is not a whole drafter identity \(KeyError: 'anchors'\)"):
+        load(bad)
+
     bad = _copy(good, tmp_path / "cut")
     data = max((p for p in (bad / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     with open(data, "r+b") as f:
@@ -164,7 +169,6 @@ def test_damaged_drafter_checkpoint_is_named(model, tmp_path):
     assert sorted((p.name, p.stat().st_size) for p in bad.rglob("*") if p.is_file()) == before
 
     bad = _copy(good, tmp_path / "shape")  # the identity says 2 layers, the weights hold 1
-    meta = json.loads((bad / "psm.json").read_text())
     (bad / "psm.json").write_text(json.dumps(dict(meta, num_layers=2)))
     with pytest.raises(ValueError, match=rf"the weights in {bad}/params do not read as the drafter"):
         load(bad)

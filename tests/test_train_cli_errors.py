@@ -58,7 +58,10 @@ def test_bad_config_file_and_keys(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: override 'n=[8': its value is not valid YAML")
     assert train_main.main(["--config", CONFIG, "stages=a,b", *out]) == 2
     assert "error: stages='a,b': stages takes integers" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    assert train_main.main(["--config", CONFIG, "stages=[4.5, 4]", *out]) == 2  # not cut to 4
+    assert "error: stages=[4.5, 4]: stages takes integers" in capsys.readouterr().err
+    assert train_main.main(["--config", CONFIG, "anchors=4", *out]) == 2
+    assert "error: anchors=4: anchors takes a list" in capsys.readouterr().err
 
 
 def test_missing_optional_package(tmp_path, monkeypatch, capsys):

@@ -335,9 +335,13 @@ def test_a_damaged_checkpoint_is_named_with_the_step_before_it(llama, tmp_path):
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     abstract = jax.eval_shape(lambda: state)
-    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt' / '2'} does not read .*damaged; delete "
-                                         rf"{tmp_path / 'ckpt' / '2'} to resume from step 1"):
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt' / '2'} does not read .*damaged; move it "
+                                         rf"aside \(mv {tmp_path / 'ckpt' / '2'} .*\) to resume from step 1"):
         ck.restore(2, abstract)
+    other = jax.eval_shape(lambda: dict(state, step=jnp.zeros((2,), jnp.int32)))  # another version's state tree
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt' / '1'} does not match the state this code "
+                                         r"builds .*Do not delete it"):
+        ck.restore(1, other)
     restored, meta = ck.restore(1, abstract)
     assert meta["positions"] == 1 and int(restored["step"]) == int(state["step"])
 

@@ -126,10 +126,12 @@ class TrainConfig:
         for k in ("stages", "anchors", "sources", "buckets", "feature_layers"):
             if d.get(k) is not None:
                 v = d[k]
+                if not isinstance(v, (str, list, tuple)):
+                    raise ValueError(f"{k}={v!r}: {k} takes a list, [a, b] or a string a,b")
                 d[k] = tuple(v.split(",") if isinstance(v, str) else v)
                 if k != "sources":
                     try:
-                        d[k] = tuple(int(x) for x in d[k])
+                        d[k] = tuple(_integer(x) for x in d[k])
                     except (TypeError, ValueError):
                         raise ValueError(f"{k}={v!r}: {k} takes integers, as a list [4, 4] or a string 4,4") from None
         for f in dataclasses.fields(cls):  # YAML reads "3e-4" (no dot) as a string
@@ -193,6 +195,13 @@ class TrainConfig:
 def corpus_dir() -> Path:
     """Where tokenised (and regenerated) corpora are cached: $SPD_JAX_CACHE/corpus, else ~/.cache/spd_jax/corpus."""
     return Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
+
+
+def _integer(x) -> int:
+    """An integer config value: 4 or "4", not 4.7 (which int() would cut to 4) or True."""
+    if isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()):
+        raise ValueError(f"{x!r} is not an integer")
+    return int(x)
 
 
 def corpus_key(model, tc: TrainConfig, *extra) -> str:
@@ -673,19 +682,26 @@ class Checkpoints:
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
         """The state and meta saved at step; a checkpoint that does not read (a damaged file: a run killed
         mid-save never finalises one, so this is damage after the save) raises ValueError naming it and the
-        steps kept beside it: deleting it resumes from the one before, where the run can redo the steps."""
+        step kept before it, which a resume reaches once it is moved aside. One holding another state tree
+        (another version's) is told apart: nothing to move, only the version to match."""
         a = self.ocp.args
         try:
             out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state),
                                                            meta=a.JsonRestore()))
-        except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a damaged file
+        except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a file it cannot read
             from spd_jax.drafters.store import orbax_failure
 
             where = Path(self.mngr.directory) / str(step)
             earlier = [k for k in self.all_steps() if k < step]
-            fix = (f"delete {where} to resume from step {earlier[-1]}, the one before it" if earlier else
-                   "no earlier checkpoint is kept: train a new run with another --out")
-            raise ValueError(f"checkpoint {where} does not read ({orbax_failure(e)}): it is damaged; {fix}") from e
+            aside = (f"move it aside (mv {where} {where}.damaged) to resume from step {earlier[-1]}, the one before "
+                     f"it, or --export {earlier[-1]}" if earlier else
+                     "no earlier checkpoint is kept: train a new run with another --out")
+            if isinstance(e, ValueError):  # orbax: a stored tree or shapes other than this state's
+                raise ValueError(f"checkpoint {where} does not match the state this code builds ({orbax_failure(e)}): "
+                                 "written by another version of spd-jax or optax, or its metadata is damaged. Do not "
+                                 "delete it: resume it with the version that wrote it; if that is this one, "
+                                 f"{aside}") from e
+            raise ValueError(f"checkpoint {where} does not read ({orbax_failure(e)}): it is damaged; {aside}") from e
         return out["state"], out["meta"]
 
 

@@ -116,11 +116,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def _read_run(out: Path) -> dict:
+    """out/run.json: the run's identity, config and commands; refused when it does not parse or lacks them."""
+    from spd_jax.config import read_json
+
+    run = read_json(out / "run.json", RUN_JSON_DAMAGED)
+    if not isinstance(run, dict) or not {"identity", "config"} <= run.keys():
+        raise ValueError(f"{out / 'run.json'} lacks the run's identity and config: {RUN_JSON_DAMAGED}")
+    return run
+
+
 def _setup(args, argv: list[str]) -> SimpleNamespace:
     """Everything before the first step: the config, the devices, the model, the data, the drafter's
     initial or restored state, run.json. Raises one of SETUP_ERRORS for what the user can fix."""
     from spd_jax import distributed
-    from spd_jax.config import read_json
 
     raw = load_config(args)
     out = Path(args.out or Path("runs") / Path(args.config).stem).absolute()
@@ -128,7 +137,7 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
     if args.export:  # the drafter is the run's: exported with the config it trained with, not this command's
         if not (out / "run.json").is_file():
             raise FileNotFoundError(f"--export: {out / 'run.json'} not found (no training run in {out})")
-        recorded = read_json(out / "run.json", RUN_JSON_DAMAGED)
+        recorded = _read_run(out)
         raw = recorded["config"]
         if args.overrides or args.steps is not None:
             log.warning("--export uses the run's recorded config: ignoring %s", " ".join(
@@ -199,7 +208,7 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
             if not (out / "run.json").is_file():
                 raise FileNotFoundError(f"--resume: {out / 'run.json'} not found beside the checkpoints (it holds "
                                         "the run's identity and data order): train a new run with another --out")
-            recorded = read_json(out / "run.json", RUN_JSON_DAMAGED)
+            recorded = _read_run(out)
         try:
             loop.check_resume(recorded["identity"], identity)
             if args.resume:
@@ -280,7 +289,9 @@ def _setup(args, argv: list[str]) -> SimpleNamespace:
             run["commands"] = run.get("commands", []) + [cmd]
             if warm_start:
                 run["warm_start"] = warm_start
-        (out / "run.json").write_text(json.dumps(run, indent=1))
+        tmp = out / f"run.{os.getpid()}.tmp.json"  # replaced whole: a kill mid-write leaves the old record
+        tmp.write_text(json.dumps(run, indent=1))
+        tmp.replace(out / "run.json")
     return SimpleNamespace(raw=raw, out=out, recorded=recorded, tc=tc, eagle=eagle, leader=leader, mesh=mesh,
                            model=model, spec=spec, ckpts=ckpts, heldout=heldout, batches=batches, opt=opt, state=state,
                            frozen=frozen, start=start, positions=positions, wall0=wall0, export_to=export_to,

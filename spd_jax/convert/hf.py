@@ -46,9 +46,13 @@ def _open(path: Path, framework: str):
     try:
         return safe_open(path, framework=framework)
     except SafetensorError as e:
+        from spd_jax.convert.defaults import cache_root
+
+        converted = path.parent.parent.resolve() == cache_root().resolve()  # a default model converted here
+        fix = (f"delete {path.parent} and the next run converts it again" if converted else
+               "copy or convert the checkpoint again")
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}): it was cut short or damaged; "
-                              "copy or convert it again (the default model: delete its directory in the cache, "
-                              "~/.cache/spd_jax or $SPD_JAX_CACHE, and the next run converts it again)") from None
+                              f"{fix}") from None
 
 
 def _safetensors_files(ckpt: Path) -> dict[str, Path]:

@@ -367,7 +367,14 @@ def read_spec(path: str | Path) -> Eagle3Config:
     meta = path / "eagle3.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
-    return spec_from_json(read_json(meta, DAMAGED), str(path))
+    d = read_json(meta, DAMAGED)
+    try:
+        return spec_from_json(d, str(path))
+    except Eagle3CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a key missing, or of another type
+        raise Eagle3CheckpointError(f"{meta} is not a whole drafter identity ({type(e).__name__}: {e}): "
+                                    f"{DAMAGED}") from None
 
 
 def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:

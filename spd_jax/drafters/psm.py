@@ -544,7 +544,14 @@ def read_spec(path: str | Path) -> PSMConfig:
     meta = path / "psm.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a PSM checkpoint (no psm.json); train one with train.main")
-    return spec_from_json(read_json(meta, DAMAGED), str(path))
+    d = read_json(meta, DAMAGED)
+    try:
+        return spec_from_json(d, str(path))
+    except PSMCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a key missing, or of another type
+        raise PSMCheckpointError(f"{meta} is not a whole drafter identity ({type(e).__name__}: {e}): "
+                                 f"{DAMAGED}") from None
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",

@@ -31,20 +31,25 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
         (path / meta_name).write_text(json.dumps(meta, indent=1))
 
 
+_QUIET = False
+
+
 def orbax_failure(e: Exception) -> str:
     """What orbax said of a checkpoint it could not read: the first line of its error (the rest is a
-    TensorStore spec). Also keeps quiet, for the rest of the process, what that restore's reads still in
-    flight report once its event loop has closed ("Event loop is closed", an unraisable exception at exit):
-    the caller raises the real error."""
+    TensorStore spec). The caller raises the real error; the reads that restore left in flight report
+    "Event loop is closed" once its event loop has gone (an unraisable exception, printed at exit as a
+    traceback after the error), so from the first failure on this process drops that one report."""
     import sys
 
-    default = sys.unraisablehook
+    global _QUIET
+    if not _QUIET:
+        _QUIET, default = True, sys.unraisablehook
 
-    def hook(u):
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            default(u)
+        def hook(u):
+            if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+                default(u)
 
-    sys.unraisablehook = hook
+        sys.unraisablehook = hook
     return (str(e).strip().splitlines() or [type(e).__name__])[0].split(" See full TensorStore")[0][:200]
 
 
