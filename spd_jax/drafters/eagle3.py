@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig, read_json
+from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features, join_params, teacher_forward
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
-from spd_jax.drafters.store import DAMAGED
+from spd_jax.drafters.store import read_identity
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
@@ -364,17 +364,8 @@ def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: di
 
 def read_spec(path: str | Path) -> Eagle3Config:
     path = Path(path).absolute()
-    meta = path / "eagle3.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
-    d = read_json(meta, DAMAGED)
-    try:
-        return spec_from_json(d, str(path))
-    except Eagle3CheckpointError:
-        raise
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a key missing, or of another type
-        raise Eagle3CheckpointError(f"{meta} is not a whole drafter identity ({type(e).__name__}: {e}): "
-                                    f"{DAMAGED}") from None
+    return read_identity(path, "eagle3.json", spec_from_json, Eagle3CheckpointError,
+                         f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
 
 
 def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:

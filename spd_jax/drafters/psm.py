@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig, read_json
+from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import anchor_states, teacher_forward
-from spd_jax.drafters.store import DAMAGED, restore_variables
+from spd_jax.drafters.store import read_identity, restore_variables
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, group_queries, init_kv_cache, output_projection, project_qkv,
                                       softmax_blocks)
@@ -541,17 +541,8 @@ def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | N
 
 def read_spec(path: str | Path) -> PSMConfig:
     path = Path(path).absolute()
-    meta = path / "psm.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"{path} is not a PSM checkpoint (no psm.json); train one with train.main")
-    d = read_json(meta, DAMAGED)
-    try:
-        return spec_from_json(d, str(path))
-    except PSMCheckpointError:
-        raise
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a key missing, or of another type
-        raise PSMCheckpointError(f"{meta} is not a whole drafter identity ({type(e).__name__}: {e}): "
-                                 f"{DAMAGED}") from None
+    return read_identity(path, "psm.json", spec_from_json, PSMCheckpointError,
+                         f"{path} is not a PSM checkpoint (no psm.json); train one with train.main")
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",

@@ -57,6 +57,24 @@ def orbax_failure(e: Exception) -> str:
 DAMAGED = "copy the checkpoint directory again from where it came, or write it again with train.main --export"
 
 
+def read_identity(path: Path, meta_name: str, parse, error: type[Exception], missing: str):
+    """A drafter directory's identity file (meta_name) -> parse(its JSON, str(path)). Absent:
+    FileNotFoundError(missing); not JSON: ConfigError; a key missing or of another type: error(...), each
+    naming the file and how to restore it."""
+    from spd_jax.config import read_json
+
+    meta = path / meta_name
+    if not meta.is_file():
+        raise FileNotFoundError(missing)
+    d = read_json(meta, DAMAGED)
+    try:
+        return parse(d, str(path))
+    except error:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise error(f"{meta} is not a whole drafter identity ({type(e).__name__}: {e}): {DAMAGED}") from None
+
+
 def restore_variables(path: str | Path, abstract: dict) -> dict:
     """path/params (orbax) -> variables of `abstract`'s shapes and dtypes, on this process's first device,
     whatever mesh the trainer saved from (an 8x1 data-parallel run restores on a laptop); the engines place
