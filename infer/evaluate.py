@@ -426,7 +426,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     import contextlib
 
     import spd_jax
-    from spd_jax.pipeline.partition import plan_stages
+    from spd_jax.decode import pipelined
     from spd_jax.progress import progress_bar
 
     path = out / "results.jsonl"
@@ -467,7 +467,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     L = model.config.num_layers
     for m, n, _ in configs:  # a pipeline depth the model cannot split into fails here, not at its first row
         if m in ("pipeline", "spd"):
-            plan_stages(L, n)
+            pipelined.plan_for(model, n)
     if write:
         out.mkdir(parents=True, exist_ok=True)
         if command is not None:

@@ -31,7 +31,8 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class ConfigError(ValueError):
-    """A config.json the decoder cannot run exactly."""
+    """A config.json the decoder cannot run exactly, or a JSON file (config, drafter identity, run record)
+    that does not parse."""
 
 
 def read_json(path: str | Path, fix: str) -> Any:

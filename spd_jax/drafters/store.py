@@ -89,7 +89,7 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
     try:
-        with ocp.StandardCheckpointer() as ckptr:  # closed on failure too: no asyncio noise at exit
+        with ocp.StandardCheckpointer() as ckptr:  # closed on failure too
             return ckptr.restore(params, abstract)
     except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a damaged file
         raise ValueError(f"the weights in {params} do not read as the drafter its identity file describes "
