@@ -684,13 +684,14 @@ class Checkpoints:
         mid-save never finalises one, so this is damage after the save) raises ValueError naming it and the
         step kept before it, which a resume reaches once it is moved aside. One holding another state tree
         (another version's) is told apart: nothing to move, only the version to match."""
+        from spd_jax.drafters.store import orbax_failure, quiet_abandoned_reads
+
         a = self.ocp.args
+        quiet_abandoned_reads()
         try:
             out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state),
                                                            meta=a.JsonRestore()))
         except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a file it cannot read
-            from spd_jax.drafters.store import orbax_failure
-
             where = Path(self.mngr.directory) / str(step)
             earlier = [k for k in self.all_steps() if k < step]
             aside = (f"move it aside (mv {where} {where}.damaged) to resume from step {earlier[-1]}, the one before "

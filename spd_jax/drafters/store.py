@@ -34,11 +34,10 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
 _QUIET = False
 
 
-def orbax_failure(e: Exception) -> str:
-    """What orbax said of a checkpoint it could not read: the first line of its error (the rest is a
-    TensorStore spec). The caller raises the real error; the reads that restore left in flight report
-    "Event loop is closed" once its event loop has gone (an unraisable exception, printed at exit as a
-    traceback after the error), so from the first failure on this process drops that one report."""
+def quiet_abandoned_reads() -> None:
+    """Before an orbax restore: if it fails, the reads it left in flight report "Event loop is closed" once
+    its event loop has gone (an unraisable exception, printed as a traceback beside the real error, and
+    possibly before the caller catches it); this process drops that one report from then on."""
     import sys
 
     global _QUIET
@@ -50,6 +49,11 @@ def orbax_failure(e: Exception) -> str:
                 default(u)
 
         sys.unraisablehook = hook
+
+
+def orbax_failure(e: Exception) -> str:
+    """What orbax said of a checkpoint it could not read: the first line of its error (the rest is a
+    TensorStore spec)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0].split(" See full TensorStore")[0][:200]
 
 
@@ -88,6 +92,7 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
         raise FileNotFoundError(f"{path} has an identity file but no params/ (its weights): {DAMAGED}")
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
+    quiet_abandoned_reads()
     try:
         with ocp.StandardCheckpointer() as ckptr:  # closed on failure too
             return ckptr.restore(params, abstract)
