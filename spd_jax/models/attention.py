@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
-from spd_jax.models.layers import apply_rope, rms_norm
+from spd_jax.models.layers import apply_rope, dense, rms_norm
 
 
 class KVCache(NamedTuple):
@@ -33,9 +33,9 @@ def project_qkv(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: Mod
     k/v [B, T, Nkv, D], with q/k norm and RoPE applied (q not yet scaled)."""
     B, T, _ = x.shape
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = x @ lp["wq"]
-    k = x @ lp["wk"]
-    v = x @ lp["wv"]
+    q = dense(x, lp["wq"])
+    k = dense(x, lp["wk"])
+    v = dense(x, lp["wv"])
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(B, T, nq, d)
@@ -68,8 +68,8 @@ def output_projection(lp: dict, o: jax.Array, x: jax.Array, cfg: ModelConfig) ->
     """o [..., Nq*D] attention values, x [..., H] the layer's normed input (for the output gate) ->
     [..., H]."""
     if cfg.attn_gate:
-        o = o * jax.nn.sigmoid(x @ lp["wq_gate"])
-    o = o @ lp["wo"]
+        o = o * jax.nn.sigmoid(dense(x, lp["wq_gate"]))
+    o = dense(o, lp["wo"])
     if cfg.o_bias:
         o = o + lp["bo"]
     return o

@@ -33,7 +33,7 @@ from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv
                                       softmax_blocks)
 from spd_jax.models.deltanet import (LinearState, gated_deltanet, init_linear_state, read_slot, write_slot,
                                      write_slots)
-from spd_jax.models.layers import apply_rope, mlp, rms_norm, rope_cos_sin
+from spd_jax.models.layers import apply_rope, dense, mlp, rms_norm, rope_cos_sin
 
 Params = dict
 
@@ -159,7 +159,7 @@ def head_logits(x: jax.Array, norm_w: jax.Array, head: jax.Array, cfg: ModelConf
     x = rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
     if rows is not None:
         head = jax.lax.dynamic_slice_in_dim(head, start, rows, axis=0)
-    return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", x.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens: jax.Array, cache: Cache, pos: jax.Array, cfg: ModelConfig):
@@ -231,12 +231,12 @@ def _attention_step(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: 
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if "w_qkv" in lp:
-        qkv = h @ lp["w_qkv"]
+        qkv = dense(h, lp["w_qkv"])
         if cfg.qkv_bias:
             qkv = qkv + lp["b_qkv"]
         q, k, v = qkv[..., :nq * d], qkv[..., nq * d:(nq + nkv) * d], qkv[..., (nq + nkv) * d:]
     else:
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        q, k, v = dense(h, lp["wq"]), dense(h, lp["wk"]), dense(h, lp["wv"])
         if cfg.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(B, 1, nq, d), k.reshape(B, 1, nkv, d), v.reshape(B, 1, nkv, d)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from spd_jax.config import ModelConfig
+from spd_jax.models.layers import dense
 
 CHUNK = 64
 
@@ -167,7 +168,7 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
     lc = cfg.linear
     B, T, _ = x.shape
     K = lc.conv_kernel
-    mixed = x @ lp["w_qkv"]  # [B, T, C]
+    mixed = dense(x, lp["w_qkv"])  # [B, T, C]
     full = jnp.concatenate([conv_prev.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
     # Depthwise causal conv: out[t] = sum_j w[j] * full[t + j]; conv_w [K, C].
     conv = sum(full[:, j:j + T] * lp["conv_w"][j] for j in range(K))
@@ -190,9 +191,9 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
     rep = lc.num_v_heads // lc.num_k_heads  # value head h reads key head h // rep
     if rep > 1:
         q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
-    beta = jax.nn.sigmoid((x @ lp["w_b"]).astype(jnp.float32))
+    beta = jax.nn.sigmoid(dense(x, lp["w_b"]).astype(jnp.float32))
     g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        (x @ lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
+        dense(x, lp["w_a"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
     if length is not None:  # padding: no decay (g = 0), no write (beta = 0)
         real = (jnp.arange(T) < length)[None, :, None]
         beta, g = jnp.where(real, beta, 0.0), jnp.where(real, g, 0.0)
@@ -205,8 +206,8 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
         o, s_new = rule(q, k, v, g, beta, s_prev.astype(jnp.float32))  # o [B, T, Hv, Dv]
 
     # Gated RMSNorm per value head: plain weight, gated by silu(z), normalised in float32.
-    z = (x @ lp["w_z"]).reshape(B, T, lc.num_v_heads, lc.v_dim)
+    z = dense(x, lp["w_z"]).reshape(B, T, lc.num_v_heads, lc.v_dim)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o = lp["norm_w"] * o.astype(x.dtype)
     o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-    return o.reshape(B, T, vs) @ lp["w_out"], conv_new, s_new
+    return dense(o.reshape(B, T, vs), lp["w_out"]), conv_new, s_new

@@ -9,6 +9,17 @@ import numpy as np
 from spd_jax.config import ModelConfig, rope_inv_freq
 
 
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype. Low-precision (bf16) weights take x in their dtype
+    and accumulate in float32: XLA:CPU runs that dot on its fast bf16 kernel, while a bf16-out dot is
+    converted to float32 first and a mixed f32 x bf16 dot upcasts the weight on every call."""
+    if w.dtype == jnp.float32 or w.dtype == jnp.float64:
+        return x @ w
+    y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm over the last axis. offset=0: w * norm(x) cast first (Llama); offset=1: (1 + w) * norm(x)
     in float32, then cast (Qwen3.5) -- the two round differently in low precision, as transformers does."""
@@ -42,11 +53,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def mlp(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """SwiGLU: x [B, T, H] -> [B, T, H]."""
-    gate = x @ lp["w_gate"]
-    up = x @ lp["w_up"]
+    gate = dense(x, lp["w_gate"])
+    up = dense(x, lp["w_up"])
     if cfg.mlp_bias:
         gate, up = gate + lp["b_gate"], up + lp["b_up"]
-    out = (jax.nn.silu(gate) * up) @ lp["w_down"]
+    out = dense(jax.nn.silu(gate) * up, lp["w_down"])
     if cfg.mlp_bias:
         out = out + lp["b_down"]
     return out
