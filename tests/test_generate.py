@@ -13,9 +13,10 @@ from scipy import stats as sstats
 import spd_jax
 from spd_jax import api
 from spd_jax.decode.sampling import choose, warp_logits
+from spd_jax.models import decoder
 
 from conftest import cache_free_greedy
-from tolerances import ELEMENTWISE, assert_close
+from tolerances import BF16_VS_FP32, CACHED_VS_FULL, ELEMENTWISE, assert_close
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,33 @@ def test_sampling_follows_the_warped_distribution():
     q = np.asarray(jax.nn.softmax(logits))
     _, pval_wrong = sstats.chisquare(counts[keep], q[keep] / q[keep].sum() * counts.sum())
     assert pval_wrong < 1e-6
+
+
+def _decode_logits(model, tokens, layers, params, **kw):
+    """Logits of decode_step fed tokens [B, T] one position at a time from an empty cache -> [T, B, V]."""
+    cfg = model.config
+    caches = decoder.split_cache(decoder.init_cache(cfg, tokens.shape[0], 128), cfg)
+    step = jax.jit(lambda t, c, pos: decoder.decode_step(layers, params, t, c, pos, cfg, **kw))
+    out = []
+    for pos in range(tokens.shape[1]):
+        logits, caches = step(tokens[:, pos:pos + 1], caches, jnp.int32(pos))
+        out.append(np.asarray(logits[:, 0]))
+    return np.stack(out)
+
+
+def test_live_block_attention_and_bf16_weights_compute_the_same_step(tiny):
+    """decode_step reading only the filled cache blocks (attn_block, the bulk path) is the one softmax over
+    the whole cache up to summation order; bf16 weights through the bf16-in, float32-out dots stay within
+    bf16's rounding of the float32 step."""
+    tiny, _ = tiny
+    cfg = tiny.config
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, size=(2, 40)), jnp.int32)
+    layers = decoder.decode_layers(tiny.params["layers"], cfg)
+    full = _decode_logits(tiny, tokens, layers, tiny.params)
+    assert_close(_decode_logits(tiny, tokens, layers, tiny.params, attn_block=16), full, CACHED_VS_FULL,
+                 depth=cfg.num_layers, what="attention over the filled blocks")
+    cast = lambda t: t.astype(jnp.bfloat16) if t.ndim >= 2 else t  # noqa: E731 (as api.generate_batch casts)
+    bf16 = _decode_logits(tiny, tokens, jax.tree.map(cast, layers), jax.tree.map(cast, tiny.params))
+    assert bf16.dtype == np.float32
+    assert_close(bf16, full, BF16_VS_FP32, depth=cfg.num_layers, what="bf16 weights")
+    assert np.abs(bf16 - full).max() > 0  # the bf16 dots really ran

@@ -222,11 +222,12 @@ def _after(t: jax.Array, x: jax.Array) -> jax.Array:
     return t + (jnp.zeros((), x.dtype) * x.reshape(-1)[0]).astype(t.dtype)
 
 
-def _attention_step(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: jax.Array, sin: jax.Array,
-                    cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
-    """`attention_layer` for one token (x [B, 1, H]) at pos, on `decode_layers` weights; writes the
-    token's key/value at pos. Same math as `attention.attention`: one softmax over the cached
-    block [0, pos) and the new key."""
+def _attention_step(lp: Params, x: jax.Array, kv: KVCache, slot: jax.Array, cos: jax.Array, sin: jax.Array,
+                    cfg: ModelConfig, start: jax.Array | None, block: int | None) -> tuple[jax.Array, KVCache]:
+    """`attention_layer` for one token (x [B, 1, H]; cos/sin made for its position) on `decode_layers`
+    weights; writes the token's key/value at cache slot `slot`. Same math as `attention.attention`: one
+    softmax over the cached slots [start, slot) (start [B], default 0) and the new key; with `block`,
+    over the cache's first ceil(slot / block) blocks only (`_live_blocks_attention`)."""
     B = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -249,17 +250,56 @@ def _attention_step(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: 
 
     qg = group_queries(q[:, 0], cfg)  # [B, Nkv, G, D]
     S = kv.k.shape[2]
-    s_old = jnp.einsum("bkgd,bksd->bkgs", qg, kv.k, preferred_element_type=jnp.float32)
-    s_old = jnp.where(jnp.arange(S) < pos, s_old, -jnp.inf)
     s_new = jnp.einsum("bkgd,bkd->bkg", qg, k, preferred_element_type=jnp.float32)[..., None]
-    p_old, p_new = softmax_blocks([s_old, s_new])
-    o = (jnp.einsum("bkgs,bksd->bkgd", p_old.astype(v.dtype), kv.v)
-         + p_new.astype(v.dtype) * v[:, :, None, :])
+    if block is not None and S > block:
+        o = _live_blocks_attention(qg, kv, s_new, v, slot, start, block)
+    else:
+        s_old = jnp.einsum("bkgd,bksd->bkgs", qg, kv.k, preferred_element_type=jnp.float32)
+        valid = jnp.arange(S) < slot
+        if start is not None:
+            valid = valid & (jnp.arange(S) >= start[:, None, None, None])
+        s_old = jnp.where(valid, s_old, -jnp.inf)
+        p_old, p_new = softmax_blocks([s_old, s_new])
+        o = (jnp.einsum("bkgs,bksd->bkgd", p_old.astype(v.dtype), kv.v)
+             + p_new.astype(v.dtype) * v[:, :, None, :])
     x = x + output_projection(lp, o.reshape(B, 1, nq * d), h, cfg)
     x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg)
-    kv = KVCache(jax.lax.dynamic_update_slice(kv.k, _after(k, x)[:, :, None], (0, 0, pos, 0)),
-                 jax.lax.dynamic_update_slice(kv.v, _after(v, x)[:, :, None], (0, 0, pos, 0)))
+    kv = KVCache(jax.lax.dynamic_update_slice(kv.k, _after(k, x)[:, :, None], (0, 0, slot, 0)),
+                 jax.lax.dynamic_update_slice(kv.v, _after(v, x)[:, :, None], (0, 0, slot, 0)))
     return x, kv
+
+
+def _live_blocks_attention(qg: jax.Array, kv: KVCache, s_new: jax.Array, v_new: jax.Array, slot: jax.Array,
+                           start: jax.Array | None, block: int) -> jax.Array:
+    """Attention of qg [B, Nkv, G, D] over the cached slots [start, slot) and the new key (score s_new
+    [B, Nkv, G, 1], value v_new [B, Nkv, D]) -> o [B, Nkv, G, D], reading only the cache blocks of
+    `block` slots that hold live slots, with a running (online) softmax: a long preallocated cache
+    costs what its filled part costs. Summation order differs from one softmax over all slots."""
+    B, nkv, g, _ = qg.shape
+    neg = jnp.float32(-1e30)  # finite: a block with no live slot for a row must not give exp(-inf + inf)
+
+    def body(j, carry):
+        m, l, acc = carry
+        kb = jax.lax.dynamic_slice_in_dim(kv.k, j * block, block, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(kv.v, j * block, block, axis=2)
+        sc = jnp.einsum("bkgd,bksd->bkgs", qg, kb, preferred_element_type=jnp.float32)
+        idx = j * block + jnp.arange(block)
+        valid = idx < slot
+        if start is not None:
+            valid = valid & (idx >= start[:, None, None, None])
+        m_new = jnp.maximum(m, jnp.where(valid, sc, neg).max(-1, keepdims=True))
+        p = jnp.where(valid, jnp.exp(sc - m_new), 0.0)
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale + jnp.einsum("bkgs,bksd->bkgd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * scale + p.sum(-1, keepdims=True), acc
+
+    init = (jnp.full((B, nkv, g, 1), neg), jnp.zeros((B, nkv, g, 1), jnp.float32),
+            jnp.zeros(qg.shape, jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, (slot + block - 1) // block, body, init)
+    m_f = jnp.maximum(m, s_new)
+    scale, p_new = jnp.exp(m - m_f), jnp.exp(s_new - m_f)
+    o = (acc * scale + p_new * v_new[:, :, None, :].astype(jnp.float32)) / (l * scale + p_new)
+    return o.astype(v_new.dtype)
 
 
 def _linear_step(lp: Params, x: jax.Array, lin: LinearState, pos: jax.Array,
@@ -270,18 +310,26 @@ def _linear_step(lp: Params, x: jax.Array, lin: LinearState, pos: jax.Array,
 
 
 def decode_step(layers: list[Params], params: Params, token: jax.Array, caches: list, pos: jax.Array,
-                cfg: ModelConfig) -> tuple[jax.Array, list]:
+                cfg: ModelConfig, positions: jax.Array | None = None, start: jax.Array | None = None,
+                attn_block: int | None = None) -> tuple[jax.Array, list]:
     """token [B, 1] at pos -> (logits [B, 1, V] float32, caches with pos written).
 
     layers: `decode_layers` of params["layers"]; caches: `split_cache`'s list (ring states as in
     `init_cache`). params supplies the embedding, final norm and LM head. Unrolled over layers:
-    compile time grows with depth, and that buys reading each weight once, in place."""
+    compile time grows with depth, and that buys reading each weight once, in place.
+
+    Rows of different lengths (`decode.ar.generate_batch`): pos is then the cache slot every row writes,
+    positions [B] each row's token position (RoPE) and start [B] each row's first valid slot (its prompt
+    left-aligned to end where the others' end), so the write stays one in-place slice. Recurrent
+    (Gated DeltaNet) states carry no positions and need neither. attn_block: attention reads only the
+    cache blocks of that many slots that hold filled slots (a bulk loop whose cache spans the whole
+    reply), at the cost of another summation order."""
     x = embed(params, token)
-    cos, sin = rope_cos_sin(cfg, pos + jnp.arange(1))
+    cos, sin = rope_cos_sin(cfg, (pos if positions is None else positions[:, None]) + jnp.arange(1))
     out = []
     for lp, kind, c in zip(layers, cfg.layer_types, caches):
         if kind == ATTENTION:
-            x, c = _attention_step(lp, x, c, pos, cos, sin, cfg)
+            x, c = _attention_step(lp, x, c, pos, cos, sin, cfg, start, attn_block)
         else:
             x, c = _linear_step(lp, x, c, pos, cfg)
         out.append(c)
