@@ -76,6 +76,9 @@ class TrainConfig:
     # (self-distillation, greedy, train/distill.py), built once and cached
     responses: str = "dataset"
     distill_batch: int = 32  # prompts per on-device generation batch when building the "target" corpus
+    # a `train.replies` corpus directory: its finished chunks (the target's greedy and sampled replies to
+    # every turn of the sources) are the data, in place of sources/limit/responses
+    replies: str | None = None
     limit: int | None = None  # conversations per source (small runs and tests)
     # conversations per source passed over before `limit` starts counting: a later slice of the corpus
     # (e.g. a new round of self-distillation on prompts an earlier round did not answer)
@@ -151,6 +154,9 @@ class TrainConfig:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {cfg.method!r}")
         if cfg.responses not in RESPONSES:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {cfg.responses!r}")
+        if cfg.replies is not None and cfg.responses != "dataset":
+            raise ValueError(f"replies={cfg.replies!r} is a corpus of the target's replies already; drop "
+                             f"responses={cfg.responses!r}")
         if cfg.ttt_steps < 1 or cfg.eval_k < 1:
             raise ValueError(f"ttt_steps ({cfg.ttt_steps}) and eval_k ({cfg.eval_k}) must be at least 1")
         if cfg.hard_weight and cfg.method != "psm":
@@ -258,11 +264,16 @@ def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every training conversation of tc.sources -> [(ids, loss_mask)], tokenised once and cached;
-    with responses "target", the first turns answered by the target instead (`train.distill`)."""
+    with responses "target", the first turns answered by the target instead (`train.distill`); with
+    replies, that corpus's finished chunks (`train.replies`)."""
     from spd_jax.progress import progress_bar
 
     from train import data
 
+    if tc.replies is not None:
+        from train import replies
+
+        return replies.training_corpus(model, Path(tc.replies), tc.max_len)
     if tc.responses == "target":
         from train import distill
 
@@ -741,7 +752,8 @@ def check_resume(was: dict, identity: dict) -> None:
 
 # What decides a run's data and its order: a resume must keep them, or "continues with the same data
 # position" (and train.heldout's check that a run never saw its held-out conversations) would not hold.
-DATA_KEYS = ("sources", "skip", "limit", "prompt_pattern", "max_len", "responses", "heldout", "seed", "batch_size", "grad_accum")
+DATA_KEYS = ("sources", "skip", "limit", "prompt_pattern", "max_len", "responses", "replies", "heldout", "seed",
+             "batch_size", "grad_accum")
 
 
 def check_same_data(was: dict, tc: TrainConfig) -> None:

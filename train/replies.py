@@ -1,0 +1,304 @@
+"""The target's own replies at scale: a drafter-training corpus that its manifest regenerates exactly.
+
+    python -m train.replies --out DIR [--sources gsm8k,sharegpt] [--samples 2] [--max-len 512]
+                            [--batch 32] [--limit N] [--weights-dtype float32] [--chunks K]
+    python -m train.replies --out DIR --verify I        # regenerate chunk I and compare its digest
+
+A drafter is judged on the target's own continuations, and the one lever measured to help on the CPU is
+training on them (docs/train/smollm2-n8-ablations). Prompts: every user turn of the training sources with
+the context before it (earlier turns as the dataset has them), through the chat template with the
+generation prompt, keeping those that leave at least MIN_ROOM tokens of max_len; duplicates are dropped,
+and so is every conversation of the held-out range (`--heldout`, default conversations 400 .. 499 of
+each source, the range `train.heldout` scores on) with any prompt repeating one of its first turns.
+MT-Bench, GSM8K test and HumanEval are never sources. Prompts are taken in one seeded random order, so
+any prefix of the work is a sample of all of it.
+
+Each prompt gets the greedy reply (sample 0) and --samples replies at T = 1, top-k 50, top-p 0.95, each
+seeded by (seed, prompt index, sample) so a reply does not depend on the batch it ran in; a reply ends
+after EOS or at max_len tokens in all. Work goes in chunks of --chunk prompts, each written atomically
+when done (`chunk-NNNNN.npz`), so a killed run resumes at the first missing chunk: run it under `nice` in
+the background and start it again until done. manifest.json holds what regenerates the corpus: the
+settings, the model (weights fingerprint, chat-template digest), the prompt list's digest, and per chunk
+its sequences, response positions, the code identity that made it (digest of the modules that compute
+a token, jax version, backend) and a digest of its tokens, which `--verify` checks by regenerating.
+Greedy and sampled tokens can differ between machines after a near tie: the digests hold for the
+machine kind (and batch) that wrote them. The corpus is not committed; the manifest is its record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import spd_jax
+from spd_jax.progress import progress_bar
+from train import data
+
+log = logging.getLogger("train.replies")
+
+MIN_ROOM = 16  # a prompt is answered only if it leaves at least this many tokens of max_len
+TOP_K, TOP_P = 50, 0.95  # the sampled replies' filter (T = 1)
+READERS = {"gsm8k": data.gsm8k_conversations, "sharegpt": data.read_sharegpt}
+# The modules whose code decides a token: their digest is each chunk's code identity.
+CODE = ("spd_jax/api.py", "spd_jax/decode/ar.py", "spd_jax/decode/sampling.py", "spd_jax/models/decoder.py",
+        "spd_jax/models/attention.py", "spd_jax/models/layers.py", "spd_jax/models/deltanet.py")
+SETTINGS = ("sources", "samples", "max_len", "batch", "chunk", "seed", "weights_dtype", "heldout", "limit")
+
+
+def chat_ids(model, msgs: list[dict]) -> np.ndarray:
+    """Chat messages ending with a user turn -> the template's ids with the generation prompt [T] int32."""
+    out = model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
+
+
+def enumerate_prompts(model, sources: list[str], max_len: int, heldout: tuple[int, int],
+                      limit: int | None = None) -> tuple[list[str], list[np.ndarray]]:
+    """-> (names "source:conversation:turn", prompts [T_i] int32): every user turn of each source's
+    conversations (the first `limit` of each, all without) with its context, in source order; a
+    conversation stops at its first turn past max_len - MIN_ROOM (later ones only grow)."""
+    names, prompts, seen, held = [], [], set(), set()
+    for src in sources:
+        if src not in READERS:
+            raise ValueError(f"unknown source {src!r}; known: {sorted(READERS)}")
+        for c, msgs in enumerate(READERS[src]()):
+            if limit is not None and c >= limit:
+                break
+            if heldout[0] <= c < heldout[1]:
+                held.add(chat_ids(model, msgs[:1]).tobytes())
+                continue
+            for t in range(0, len(msgs), 2):
+                ids = chat_ids(model, msgs[:t + 1])
+                if len(ids) > max_len - MIN_ROOM:
+                    break
+                if ids.tobytes() not in seen:
+                    seen.add(ids.tobytes())
+                    names.append(f"{src}:{c}:{t // 2}")
+                    prompts.append(ids)
+    keep = [i for i, p in enumerate(prompts) if p.tobytes() not in held]
+    return [names[i] for i in keep], [prompts[i] for i in keep]
+
+
+def code_identity() -> dict:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in CODE:
+        h.update((root / rel).read_bytes())
+    return dict(code=h.hexdigest()[:16], jax=jax.__version__, backend=jax.default_backend())
+
+
+def tokens_digest(seqs: list[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(np.asarray(s, np.int32).tobytes() + b"|")
+    return h.hexdigest()[:16]
+
+
+def unit_seed(seed: int, prompt: int, sample: int, samples: int) -> int:
+    return (seed + prompt * (samples + 1) + sample) % 2**32
+
+
+def generate_chunk(model, prompts: list[np.ndarray], index: np.ndarray, s: dict) -> dict:
+    """The replies of prompts[index] (greedy, then s["samples"] sampled each) -> the chunk's arrays:
+    ids (sequences concatenated), offsets, prompt_len, prompt (index into the prompt list), sample."""
+    units = [(int(p), k) for k in range(s["samples"] + 1) for p in index]
+    seqs: dict[tuple[int, int], np.ndarray] = {}
+    for greedy in (True, False):
+        todo = sorted((u for u in units if (u[1] == 0) == greedy), key=lambda u: (len(prompts[u[0]]), u))
+        for a in range(0, len(todo), s["batch"]):
+            batch = todo[a:a + s["batch"]]
+            sample = {} if greedy else dict(temperature=1.0, top_k=TOP_K, top_p=TOP_P,
+                                            seed=[unit_seed(s["seed"], p, k, s["samples"]) for p, k in batch])
+            out = spd_jax.generate_batch(model, [prompts[p] for p, _ in batch], s["max_len"],
+                                         weights_dtype=s["weights_dtype"], **sample)
+            for (p, k), g in zip(batch, out):
+                seqs[(p, k)] = np.concatenate([prompts[p], np.asarray(g, np.int32)])
+    order = sorted(seqs)
+    full = [seqs[u] for u in order]
+    return dict(ids=np.concatenate(full), offsets=np.cumsum([0] + [len(x) for x in full]),
+                prompt_len=np.asarray([len(prompts[p]) for p, _ in order], np.int32),
+                prompt=np.asarray([p for p, _ in order], np.int64), sample=np.asarray([k for _, k in order], np.int32))
+
+
+def chunk_record(arrays: dict) -> dict:
+    off, plen = arrays["offsets"], arrays["prompt_len"]
+    seqs = [arrays["ids"][a:b] for a, b in zip(off[:-1], off[1:])]
+    replies = {(int(p), arrays["ids"][a + n:b].tobytes()): b - a - n
+               for p, n, a, b in zip(arrays["prompt"], plen, off[:-1], off[1:])}
+    return dict(sequences=len(seqs), positions=int(sum(len(x) for x in seqs) - plen.sum()),
+                unique_positions=int(sum(replies.values())), digest=tokens_digest(seqs))
+
+
+def read_corpus(out: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every finished chunk of a replies corpus -> [(ids [T], loss_mask [T])], loss_mask[t] where t + 1 is
+    a reply token (the training corpus's form)."""
+    seqs = []
+    for path in sorted(Path(out).glob("chunk-*.npz")):
+        with np.load(path, allow_pickle=False) as z:
+            ids, off, plen = z["ids"], z["offsets"], z["prompt_len"]
+        for a, b, n in zip(off[:-1], off[1:], plen):
+            mask = np.zeros(b - a, bool)
+            mask[n - 1:b - a - 1] = True
+            seqs.append((ids[a:b], mask))
+    return seqs
+
+
+def training_corpus(model, out: Path, max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The finished chunks of the corpus at out for training `model` at max_len -> `read_corpus`'s
+    sequences; refused if the corpus is of another model or longer sequences, or holds no chunk yet.
+    Chunks finished later make a larger corpus: a run resumed after them would see other data."""
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"replies={out}: no train.replies corpus there (no manifest.json); make one with "
+                                f"`python -m train.replies --out {out}`")
+    manifest = json.loads(path.read_text())
+    if manifest["model"]["weights"] != model.weights_fingerprint:
+        raise ValueError(f"replies={out} holds replies of {manifest['model']['model']} (weights "
+                         f"{manifest['model']['weights']}), not of the model trained for ({model.path.name}, "
+                         f"{model.weights_fingerprint})")
+    if manifest["settings"]["max_len"] > max_len:
+        raise ValueError(f"replies={out} holds sequences of up to {manifest['settings']['max_len']} tokens, over "
+                         f"this run's max_len {max_len}: raise max_len or make a corpus with --max-len {max_len}")
+    seqs = read_corpus(out)
+    if not seqs:
+        raise ValueError(f"replies={out} has no finished chunk yet: let `python -m train.replies --out {out}` run")
+    return seqs
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(binary file) into a temporary file beside path, then moved over it: readers see whole files."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.replace(path)
+
+
+def save_manifest(out: Path, manifest: dict) -> None:
+    write_atomic(out / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+
+
+def open_corpus(model, out: Path, s: dict) -> tuple[dict, list[str], list[np.ndarray]]:
+    """The manifest and prompt list of the corpus at out: read (refused if its settings or model differ
+    from these) or made."""
+    ident = dict(model=model.path.name, weights=model.weights_fingerprint,
+                 chat_template=hashlib.sha256(str(getattr(model.tokenizer, "chat_template", None)).encode()).hexdigest()[:16])
+    path = out / "manifest.json"
+    if path.is_file():
+        manifest = json.loads(path.read_text())
+        was = {k: manifest["settings"].get(k) for k in SETTINGS}
+        now = {k: s[k] for k in SETTINGS}
+        diff = sorted(k for k in SETTINGS if json.dumps(was[k]) != json.dumps(now[k]))
+        diff += sorted(k for k in ident if manifest["model"].get(k) != ident[k])
+        if diff:
+            then = {**manifest["model"], **manifest["settings"]}
+            raise ValueError(f"{out} holds a corpus made with other {', '.join(diff)} ("
+                             + ", ".join(f"{k}={then.get(k)!r}" for k in diff)
+                             + "): give the same settings to resume it, or another --out")
+        with np.load(out / "prompts.npz", allow_pickle=False) as z:
+            ids, off, names = z["ids"], z["offsets"], z["names"]
+        prompts = [ids[a:b] for a, b in zip(off[:-1], off[1:])]
+        if tokens_digest(prompts) != manifest["prompts"]["digest"]:
+            raise ValueError(f"{out / 'prompts.npz'} does not match its manifest: delete the corpus directory "
+                             "and start again")
+        return manifest, [str(n) for n in names], prompts
+    names, prompts = enumerate_prompts(model, s["sources"], s["max_len"], tuple(s["heldout"]), s["limit"])
+    if not prompts:
+        raise ValueError(f"no prompt of {s['sources']} fits max_len {s['max_len']}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "prompts.npz", lambda f: np.savez(
+        f, ids=np.concatenate(prompts), offsets=np.cumsum([0] + [len(x) for x in prompts]),
+        names=np.asarray(names)))
+    order = np.random.default_rng(s["seed"]).permutation(len(prompts))
+    manifest = dict(settings=s, model=ident, prompts=dict(count=len(prompts), digest=tokens_digest(prompts),
+                                                          order_seed=s["seed"]),
+                    chunks={}, order=order.tolist())
+    save_manifest(out, manifest)
+    return manifest, names, prompts
+
+
+def totals(manifest: dict) -> dict:
+    c = manifest["chunks"].values()
+    return dict(chunks_done=len(c), chunks_total=-(-manifest["prompts"]["count"] // manifest["settings"]["chunk"]),
+                sequences=sum(x["sequences"] for x in c), positions=sum(x["positions"] for x in c),
+                unique_positions=sum(x["unique_positions"] for x in c))
+
+
+def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: bool = True) -> dict:
+    """Generate the missing chunks (at most `chunks` of them) -> the totals."""
+    manifest, _, prompts = open_corpus(model, out, s)
+    order = np.asarray(manifest["order"])
+    todo = [c for c in range(totals(manifest)["chunks_total"]) if str(c) not in manifest["chunks"]]
+    todo = todo[:chunks] if chunks is not None else todo
+    code = code_identity()
+    bar = progress_bar(todo, desc="reply chunks", unit="chunk", disable=not show_progress)
+    for c in bar:
+        arrays = generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s)
+        write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez(f, **arrays))
+        manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code)
+        save_manifest(out, manifest)
+        t = totals(manifest)
+        bar.set_postfix(positions=t["positions"], refresh=False)
+    return totals(manifest)
+
+
+def verify(model, out: Path, s: dict, c: int) -> dict:
+    """Regenerate chunk c and compare it with the manifest's record -> {recorded, regenerated, equal}."""
+    manifest, _, prompts = open_corpus(model, out, s)
+    if str(c) not in manifest["chunks"]:
+        raise ValueError(f"chunk {c} of {out} is not done yet; done: {sorted(map(int, manifest['chunks']))[:10]}...")
+    order = np.asarray(manifest["order"])
+    rec = chunk_record(generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s))
+    was = manifest["chunks"][str(c)]
+    return dict(chunk=c, recorded=was["digest"], regenerated=rec["digest"], equal=was["digest"] == rec["digest"],
+                code_then=was["code"], code_now=code_identity()["code"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.replies", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="the corpus directory (made, or resumed)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--sources", default="gsm8k,sharegpt", help=f"comma-separated, of {sorted(READERS)}")
+    ap.add_argument("--samples", type=int, default=2, help="T = 1 replies per prompt besides the greedy one")
+    ap.add_argument("--max-len", type=int, default=512, help="tokens in all, prompt and reply")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per generated batch")
+    ap.add_argument("--chunk", type=int, default=32, help="prompts per chunk file: what a killed run loses at most")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--heldout", default="400:500", help="conversations start:stop of each source kept out")
+    ap.add_argument("--limit", type=int, help="only the first LIMIT conversations of each source")
+    ap.add_argument("--chunks", type=int, help="stop after this many new chunks")
+    ap.add_argument("--verify", type=int, metavar="I", help="regenerate chunk I and compare it with the manifest")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        a, b = (int(x) for x in args.heldout.split(":"))
+    except ValueError:
+        ap.error(f"--heldout must be START:STOP (two integers), got {args.heldout!r}")
+    for name in ("samples", "max_len", "batch", "chunk", "limit", "chunks"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "samples" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'samples' else 1}, got {v}")
+    s = dict(sources=[x for x in args.sources.split(",") if x], samples=args.samples, max_len=args.max_len,
+             batch=args.batch, chunk=args.chunk, seed=args.seed, weights_dtype=args.weights_dtype,
+             heldout=[a, b], limit=args.limit)
+    try:
+        model = spd_jax.load_model(args.model)
+        if args.verify is not None:
+            print(json.dumps(verify(model, args.out, s, args.verify)))
+            return 0
+        print(json.dumps(dict(out=str(args.out), **run(model, args.out, s, args.chunks))))
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
