@@ -297,12 +297,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: available: {', '.join(METHODS)}")
-    row_seeds = None if isinstance(seed, (int, np.integer)) else list(seed)
-    if row_seeds is not None and len(row_seeds) != len(rows):
-        raise ValueError(f"seed holds {len(row_seeds)} seeds for {len(rows)} prompts: give one per prompt, or one int")
-    for s in row_seeds or ():
-        SamplingParams(temperature, top_k, top_p, s)  # each checked as a seed
-    sp = SamplingParams(temperature, top_k, top_p, seed if row_seeds is None else 0)
+    sp = SamplingParams(temperature, top_k, top_p, seed)
     cfg = model.config
     prompt = _token_ids(prompt_ids, "prompt_ids")
     if prompt.size == 0:
@@ -416,6 +411,17 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     return GenerateResult(tokens, stats)
 
 
+def cast_matrices(tree, dtype: str):
+    """params (or `decoder.decode_layers`) with the layers' matrices (the schema's w* leaves: wq .. w_out)
+    in dtype, for `layers.dense`'s dots. The embedding (so the activations and caches), the LM head,
+    norms, biases and the conv kernel keep their dtype."""
+    def cast(path, t):
+        name = str(getattr(path[-1], "key", ""))
+        return t.astype(dtype) if name.startswith("w") else t
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None, seed: int | Sequence[int] = 0,
                    stop_at_eos: bool = True, weights_dtype: str = "float32") -> list[list[int]]:
@@ -427,10 +433,11 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     bulk generation (self-distillation data); shapes are bucketed as `generate`'s, so batches of similar
     prompt lengths share one compiled program.
 
-    weights_dtype "bfloat16" runs a bf16 copy of the weights (made once per model) through bf16-in,
-    float32-accumulating dots, several times faster on a batch (not at batch 1): a slightly different
-    model whose tokens part from the float32 target's after a near tie; activations, caches and logits
-    stay float32."""
+    weights_dtype "bfloat16" runs a bf16 copy of the layers' matrices (`cast_matrices`, made once per
+    model) through bf16-in, float32-accumulating dots: faster where the matmul unit has a bf16 path
+    (AMX, accelerators), slower on an AVX2-only CPU (docs/train/replies.md); a slightly different model
+    whose tokens part from the float32 target's after a near tie. Activations, caches and logits stay
+    in the model's dtype."""
     cfg = model.config
     model._require_layers("generate_batch")
     rows = [_token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -468,9 +475,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     if weights_dtype != model.dtype:
         key = f"batch_weights_{weights_dtype}"
         if key not in model.runtime:
-            # Norm weights stay float32: they scale float32 activations elementwise, outside any dot.
-            cast = lambda t: t.astype(weights_dtype) if t.ndim >= 2 else t  # noqa: E731
-            model.runtime[key] = (jax.tree.map(cast, params), jax.tree.map(cast, layers))
+            model.runtime[key] = (cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype))
         params, layers = model.runtime[key]
     seeds = (np.asarray(row_seeds, np.uint32) if row_seeds is not None
              else (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32))

@@ -164,8 +164,8 @@ def test_live_block_attention_and_bf16_weights_compute_the_same_step(tiny):
     full = _decode_logits(tiny, tokens, layers, tiny.params)
     assert_close(_decode_logits(tiny, tokens, layers, tiny.params, attn_block=16), full, CACHED_VS_FULL,
                  depth=cfg.num_layers, what="attention over the filled blocks")
-    cast = lambda t: t.astype(jnp.bfloat16) if t.ndim >= 2 else t  # noqa: E731 (as api.generate_batch casts)
-    bf16 = _decode_logits(tiny, tokens, jax.tree.map(cast, layers), jax.tree.map(cast, tiny.params))
-    assert bf16.dtype == np.float32
+    bf16_layers = api.cast_matrices(layers, "bfloat16")
+    assert bf16_layers[0]["w_up"].dtype == jnp.bfloat16 and bf16_layers[0]["mlp_norm"].dtype == jnp.float32
+    bf16 = _decode_logits(tiny, tokens, bf16_layers, api.cast_matrices(tiny.params, "bfloat16"))
     assert_close(bf16, full, BF16_VS_FP32, depth=cfg.num_layers, what="bf16 weights")
     assert np.abs(bf16 - full).max() > 0  # the bf16 dots really ran

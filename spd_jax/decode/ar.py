@@ -127,7 +127,7 @@ def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, m
     (`decoder.decode_step`), so row b's tokens are the ones a batch of one gives, up to the matmuls'
     summation order (and the weights' dtype: bf16 `layers`/params run the bf16 dots). Finished rows keep
     stepping on garbage and only their outputs are masked: freezing them would select every carry,
-    caches included, at every step. Needs cache_len >= P + out_len - 1. For bulk generation, not
+    caches included, at every step. Needs cache_len >= P + max(max_new) - 1. For bulk generation, not
     latency."""
     head = {k: v for k, v in params.items() if k != "layers"}
     B, P = prompts.shape
