@@ -154,7 +154,8 @@ def training_corpus(model, out: Path, max_len: int) -> list[tuple[np.ndarray, np
     """The finished chunks of the corpus at out for training `model` at max_len -> `read_corpus`'s
     sequences; refused if the corpus is of another model or longer sequences, or holds no chunk yet.
     Chunks finished later make a larger corpus: a run resumed after them would see other data."""
-    path = Path(out) / "manifest.json"
+    out = Path(out).expanduser()
+    path = out / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"replies={out}: no train.replies corpus there (no manifest.json); make one with "
                                 f"`python -m train.replies --out {out}`")
@@ -262,7 +263,8 @@ def verify(model, out: Path, s: dict, c: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.replies", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path, help="the corpus directory (made, or resumed)")
+    ap.add_argument("--out", required=True, type=lambda p: Path(p).expanduser(),
+                    help="the corpus directory (made, or resumed)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sources", default="gsm8k,sharegpt", help=f"comma-separated, of {sorted(READERS)}")
     ap.add_argument("--samples", type=int, default=2, help="T = 1 replies per prompt besides the greedy one")
