@@ -27,7 +27,8 @@ PROMPT_BUCKET = 64
 CACHE_BUCKET = 128
 OUT_BUCKET = 64
 # generate_batch's attention reads its cache in blocks of this many slots, up to the filled ones: on
-# XLA:CPU (2 cores) 32 beat 16, 64 and 128 by 1.2-1.6x at B = 32 (bench.generate_batch).
+# XLA:CPU (2 AVX2 cores) 32 beat 16, 64 and 128 by 1.2-1.6x in a decode step at B = 32 with 256 of 512
+# slots filled (a scratch measurement; docs/train/replies.md).
 ATTN_BLOCK = 32
 
 
@@ -138,6 +139,7 @@ def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, m
 
     first, caches = jax.vmap(prefill_row)(prompts, prompt_lens, seeds)  # [B], per-row caches
     start = P - prompt_lens  # [B] each row's first valid slot once aligned
+    # recurrent states carry no positions: vmap's per-row [B, 1, R, 1, ...] becomes the batch axis [1, R, B, ...]
     caches = [left_align(c, start) if kind == ATTENTION else jax.tree.map(lambda t: jnp.moveaxis(t[:, :, :, 0], 0, 2), c)
               for kind, c in zip(cfg.layer_types, caches)]
     out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
