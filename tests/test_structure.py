@@ -236,11 +236,22 @@ def project_module(cmd: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def readme_inline_commands(text: str):
+    """(line number, command) of the README's inline `python -m ...` spans (its table of main commands)."""
+    for i, line in enumerate(text.splitlines(), 1):
+        for cmd in re.findall(r"`(python3? -m [^`]+)`", line):
+            yield i, cmd
+
+
 def doc_commands():
-    """(file, line, module, argv, the line as written) of every project command in the docs."""
+    """(file, line, module, argv, the line as written) of every project command in the docs: fenced shell
+    blocks everywhere, and the README's inline ones."""
     out = []
     for path in doc_files():
-        for lineno, line in fenced_shell_lines(path.read_text()):
+        lines = list(fenced_shell_lines(path.read_text()))
+        if path.name == "README.md" and path.parent == ROOT:
+            lines += list(readme_inline_commands(path.read_text()))
+        for lineno, line in lines:
             try:
                 cmds = simple_commands(line)
             except ValueError as e:  # unbalanced quotes
@@ -400,18 +411,28 @@ def test_the_hash_pattern():
 PENDING = {"docs/train/runs.md", "configs/train/base.yaml"}
 
 
+def anchors(md: Path) -> set[str]:
+    """The heading anchors GitHub makes for a markdown file: lower case, punctuation dropped, spaces to -."""
+    heads = re.findall(r"^#+\s+(.*?)\s*$", md.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
 def test_links_in_docs_resolve():
-    """Every relative link in README.md and docs/ names a file that exists."""
+    """Every relative link in README.md and docs/ names a file that exists, and a heading of it that exists."""
     bad = []
     for path in doc_files():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             for target in re.findall(r"\]\(([^)\s]+)\)", line):
-                if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                if re.match(r"[a-z]+:", target):
                     continue
-                file = (path.parent / target.split("#")[0]).resolve()
-                if not file.exists() and file.relative_to(ROOT).as_posix() not in PENDING:
-                    bad.append(f"{path.relative_to(ROOT)}:{i}: {target}")
-    assert not bad, "links to files that do not exist: " + ", ".join(bad)
+                name, _, anchor = target.partition("#")
+                file = (path.parent / name).resolve() if name else path
+                if not file.exists():
+                    if file.relative_to(ROOT).as_posix() not in PENDING:
+                        bad.append(f"{path.relative_to(ROOT)}:{i}: {target}")
+                elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                    bad.append(f"{path.relative_to(ROOT)}:{i}: {target} (no such heading)")
+    assert not bad, "links to files or headings that do not exist: " + ", ".join(bad)
 
 
 def test_config_files_named_in_docs_exist():
