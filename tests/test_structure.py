@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import importlib
 import io
 import re
@@ -36,16 +37,17 @@ MAX_MODULE_LINES = 450
 # import graph
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _sources() -> dict[str, Path]:
+def _sources(root: Path | None = None) -> dict[str, Path]:
     """Project module name -> its file, for every .py under PACKAGES."""
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    root = ROOT if root is None else root
+    return {_module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
 
 
 def _resolve(name: str, modules) -> str | None:
@@ -61,7 +63,12 @@ def _resolve(name: str, modules) -> str | None:
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports, anywhere in its file. `from P import x` counts as an import
     of the module P.x when that is a module, else of P."""
-    modules = _sources()
+    return _graph(ROOT)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(root: Path) -> dict[str, set[str]]:  # read once per tree: every graph test shares it
+    modules = _sources(root)
     graph: dict[str, set[str]] = {}
     for mod, path in modules.items():
         is_pkg = path.name == "__init__.py"
