@@ -1,7 +1,8 @@
-"""The plots of pooled results and of a PSM directory's lineage: S0 and speed against n, the cycle
-broken down by part, S0 against training positions.
+"""The plots of pooled results, of a training run and of a PSM directory's lineage: S0 and speed against
+n, the cycle broken down by part, the learning curves, S0 against training positions.
 
-Draws from plain data (`results.pooled` rows, lineage points) into PNG files; computes no figure itself.
+Draws from plain data (`results.pooled` rows, metrics rows, lineage points) into PNG files; computes no
+figure itself.
 Every function selects the Agg backend before drawing (no display needed).
 """
 
@@ -163,6 +164,37 @@ def plot_lineage(points: list[dict], png: Path) -> None:
            ylabel="S0 (greedy, pooled)", title=f"S0 of each PSM this directory held ({points[0]['prompts']} benchmark prompts)")
     positions_axis(ax)
     ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(metrics: list[dict], png: Path) -> None:
+    """A training run's learning curves (its metrics.jsonl rows): loss, agreement and the quick eval (S0,
+    or an EAGLE-3 drafter's tokens per round) against training positions. No rows: no plot."""
+    if not metrics:
+        return
+    matplotlib.use("Agg")
+    rows = metrics
+    pos = [r["positions"] for r in rows]
+    chain = any("tokens_per_round" in r or "agreement_by_step" in r for r in rows)
+    key = "tokens_per_round" if chain else "S0"
+    ev = [r for r in rows if key in r]
+    # a run without a quick eval (fewer devices than stages, or none fell due) gets no empty third panel
+    fig, ax = plt.subplots(1, 3 if ev else 2, figsize=(13, 3.6) if ev else (9, 3.6))
+    ax[0].plot(pos, [r["loss"] for r in rows])
+    ax[0].set(title="KL(teacher || drafter) per unrolled step" if chain else "KL(teacher || PSM)",
+              xlabel="training positions", yscale="log")
+    ax[1].plot(pos, [r["agreement"] for r in rows])
+    ax[1].set(title="top-1 agreement (train, 1st draft step)" if chain else "top-1 agreement (train batches)",
+              xlabel="training positions")
+    if ev:
+        ax[2].plot([r["positions"] for r in ev], [r[key] for r in ev], "o-")
+        ax[2].set(title=f"tokens/round, chain k={ev[0].get('eval_k', '?')}, held-out (greedy)" if chain
+                  else "S0 on held-out prompts (greedy)", xlabel="training positions")
+    for a in ax:
+        a.grid(alpha=0.3)
+        positions_axis(a)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
