@@ -2,6 +2,10 @@
 the evaluation rows of its own drafter (and `ar`'s of the same setup)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -301,3 +305,20 @@ def test_eagle3_card(tmp_path):
     assert "| gsm8k | eagle3 k=3 | 0 | 2 | 20 | 2.000 | 10.0 | 1.00x |" in text and "| spd" not in text
     assert "untrained" not in text and "| all | eagle3 k=3 | 0 | 2 | 20 | 2.000 |" in text
     assert "evaluation's gpu backend (one device per run)" in text
+
+
+@pytest.mark.parametrize("modules, apart", [
+    ("spd_jax.reports.cards spd_jax.reports.tables spd_jax.reports.replay spd_jax.datasets", ("infer", "train", "bench")),
+    ("infer.evaluate infer.replay", ("train",)),
+    ("train.card", ("infer",)),
+])
+def test_reports_infer_and_train_import_apart(modules, apart):
+    """The reports and the data lookups are the library's: they import neither infer nor train, and infer
+    and train reach each other's figures only through them."""
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import importlib, sys\nfor m in {modules.split()!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {apart!r}))")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
