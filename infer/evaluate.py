@@ -53,7 +53,7 @@ from spd_jax.decode import pipelined
 from spd_jax.drafters.store import content_id
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import plot_results
-from spd_jax.reports.results import BASELINE, pooled, read_rows
+from spd_jax.reports.results import pooled, read_rows, row_shape
 from spd_jax.reports.tables import project, results_markdown
 
 log = logging.getLogger(__name__)
@@ -129,17 +129,18 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
             known[(method, n)] = drafter_id(model, method, max(n, 1), spec, drafter)
         return known[(method, n)]
 
-    chains = [(1, int(k)) for k in ks]  # eagle3: (n = 1 device, k)
+    chains = [(1, int(k)) for k in ks]  # a chain method (eagle3): (n = 1 device, k)
     own = method_ns or {}  # a method's own depths (`spd@8`); the others run at every n of ns
     configs = [(m, n, k) for m in methods
-               for n, k in (chains if m == "eagle3" else [(n, None) for n in ([1] if m == BASELINE else own.get(m, ns))])]
+               for n, k in (chains if row_shape(m).chain else
+                            [(n, None) for n in ([1] if row_shape(m).one_device else own.get(m, ns))])]
     jobs = job_order(benches, temperatures, configs, block)
     same = dict(model=model.path.name, spec="default" if spec is None else str(spec), max_new_tokens=max_new_tokens,
                 seed=seed)
     dlabel = "default" if drafter is None else str(drafter)
 
     def eagle3_fields(method):  # what only eagle3 rows carry (other rows keep their older shape)
-        return dict(drafter=dlabel) if method == "eagle3" else {}
+        return dict(drafter=dlabel) if row_shape(method).chain else {}
 
     todo = [j for j in jobs if row_key(dict(bench=j[0], prompt_index=j[1], method=j[3], n=j[4], k=j[5],
                                             temperature=j[6], **same, **eagle3_fields(j[3]),
@@ -147,7 +148,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     # only this setup's rows (and its drafter's eagle3 rows), made with the drafters there are now: a row of
     # an older drafter at the same path, or of an unrecorded one, is not pooled with this run's
     rows = [r for r in rows if all(r.get(k) == v for k, v in same.items())
-            and (r["method"] != "eagle3" or r.get("drafter") == dlabel)]
+            and (not row_shape(r["method"]).chain or r.get("drafter") == dlabel)]
     stale = [r for r in rows if r.get("drafter_id") != id_of(r["method"], r["n"])]
     if stale:
         log.warning("%d rows of %s were made with another drafter than the one at their path now (or before drafter "
@@ -156,7 +157,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
         rows = [r for r in rows if r.get("drafter_id") == id_of(r["method"], r["n"])]
     L = model.config.num_layers
     for m, n, _ in configs:  # a pipeline depth the model cannot split into fails here, not at its first row
-        if m in ("pipeline", "spd"):
+        if row_shape(m).staged:
             pipelined.plan_for(model, n)
     if write:
         out.mkdir(parents=True, exist_ok=True)
@@ -165,14 +166,15 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     with (path.open("a") if write else contextlib.nullcontext()) as f:
         for bench, i, p, method, n, k, temp in progress_bar(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
-            chain = dict(k=k, drafter_spec=drafter) if method == "eagle3" else {}
+            shape = row_shape(method)
+            chain = dict(k=k, drafter_spec=drafter) if shape.chain else {}
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
                                    **chain, **SAMPLING[temp])
             s = res.stats
             # target passes after prefill: SPD / pipeline cycles, eagle3 verification rounds, one per ar token
-            cycles = s["rounds"] if method == "eagle3" else s.get("cycles", s["tokens"])
+            cycles = s["rounds"] if shape.chain else s.get("cycles", s["tokens"])
             row = dict(bench=bench, prompt_index=i, method=method, n=n, temperature=temp, **same,
-                       **(dict(k=k, drafter=dlabel, drafter_spec=s["drafter_spec"]) if method == "eagle3" else {}),
+                       **(dict(k=k, drafter=dlabel, drafter_spec=s["drafter_spec"]) if shape.chain else {}),
                        drafter_id=id_of(method, n),
                        prompt_tokens=s["prompt_tokens"], tokens=s["tokens"], cycles=cycles,
                        alpha=s["tokens"] / cycles if cycles else float("nan"),
@@ -209,7 +211,7 @@ def parse_methods(items: list[str]) -> tuple[list[str], dict[str, list[int]]]:
         if depth:
             if not depth.isdigit() or int(depth) < 1:
                 raise ValueError(f"--methods {item!r}: the depth after @ must be a positive integer (e.g. spd@8)")
-            if name in ("ar", "eagle3"):
+            if row_shape(name).one_device:
                 raise ValueError(f"--methods {item!r}: {name} runs on one device; depths are for pipeline, tp, spd")
             own.setdefault(name, []).append(int(depth))
     return names, own

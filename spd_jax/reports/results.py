@@ -7,6 +7,7 @@ method names it knows are in the tables below, not compared across the code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,26 @@ from pathlib import Path
 from spd_jax.drafters.store import content_id
 
 BASELINE = "ar"  # the method every speed is compared with
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShape:
+    """How a method's rows are made and read. one_device: it runs on one device (its rows have n = 1, it
+    takes no depth of its own); staged: over n pipeline stages (a stage plan the model must split into);
+    chain: k drafts per round (eagle3: its rows carry k and the drafter given, their cycles are the
+    verification rounds)."""
+    one_device: bool = False
+    staged: bool = False
+    chain: bool = False
+
+
+ROW_SHAPES = {"ar": RowShape(one_device=True), "tp": RowShape(), "pipeline": RowShape(staged=True),
+              "spd": RowShape(staged=True), "eagle3": RowShape(one_device=True, chain=True)}
+
+
+def row_shape(method: str) -> RowShape:
+    """ROW_SHAPES' entry of a method; a method it does not list: on n devices, no stages, no chain."""
+    return ROW_SHAPES.get(method, RowShape())
 # a drafted method -> the row field that records the drafter checkpoint it was given (`resolve_psm` /
 # `resolve_eagle3`'s label: a path, or one of UNNAMED); the other methods run no drafter
 DRAFTER_FIELD = {"spd": "psm", "eagle3": "drafter_spec"}
