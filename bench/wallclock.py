@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("error: bench.wallclock needs 2 CPU cores (one per process)")
 
-    from infer.evaluate import read_benchmark
+    from spd_jax.datasets import read_benchmark
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

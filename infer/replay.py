@@ -31,11 +31,20 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+
+import spd_jax
+from spd_jax.datasets import read_benchmark
+from spd_jax.decode import pipelined
+from spd_jax.decode.schedule import replay_greedy
+from spd_jax.drafters.psm import drafts_by_fill
+from spd_jax.progress import progress_bar
+from spd_jax.reports.replay import REPEAT, plot_replay, replay_markdown
+from spd_jax.reports.results import read_rows, rows_of_drafter
 
 BUCKET = 128  # sequences are padded to a multiple of this (few compiled shapes)
 ROWS = 32  # the generated positions scored per sequence are padded to a multiple of this
-REPEAT = 4  # n-gram length of the repetition share (`repeats`)
 BATCH = 4  # sequences per teacher-forced pass: its [B, T, n, T] attention scores must fit in memory
 
 log = logging.getLogger(__name__)
@@ -47,7 +56,7 @@ def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], li
     path = eval_dir / "results.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --from takes an infer.evaluate --out directory")
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = read_rows(path)
     ar = [r for r in rows if r["method"] == "ar" and r["temperature"] == 0 and r.get("token_ids") is not None]
     if not ar:
         raise ValueError(f"{path} holds no greedy `ar` rows with token ids: run infer.evaluate with --methods ar "
@@ -66,11 +75,6 @@ def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[i
     """Each sequence [S] -> right [S, n] bool: the draft for t + 1 made at fill k equals seq[t + 1], for
     t >= its start (the first generated token's position, the prompt's length: the engine's first draft
     is made with that token newest; earlier rows stay False)."""
-    import jax.numpy as jnp
-
-    from spd_jax.drafters.psm import drafts_by_fill
-    from spd_jax.progress import progress_bar
-
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[np.ndarray | None] = [None] * len(seqs)
     bar = progress_bar(total=len(seqs), desc="teacher-forced drafts", unit="prompt", disable=not show_progress)
@@ -99,10 +103,6 @@ def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[i
 def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar: list[dict], max_new: int,
                spd_rows: list[dict], show_progress: bool = True) -> dict:
     """One PSM over the continuations -> its rows (one per prompt), pooled figures and agreement by fill."""
-    from infer.evaluate import rows_of_drafter
-    from spd_jax.decode import pipelined
-    from spd_jax.decode.schedule import replay_greedy
-
     plan = pipelined.plan_for(model, n)
     if pipelined.psm_source(model, plan, psm_path)[0] is None:  # asked before resolve_psm announces a random one
         raise ValueError(f"no PSM to replay: none ships for {model.path.name} at n={n}; pass --psm DIR")
@@ -197,86 +197,6 @@ def pool(rows: list[dict], num_layers: int, plan) -> dict:
     return out
 
 
-def _name(path: str) -> str:
-    """A PSM's short label: its directory and parent (runs/a/psm and runs/b/psm stay apart)."""
-    return "/".join(Path(path).parts[-2:])
-
-
-def markdown(results: list[dict], setup: dict) -> str:
-    n = results[0]["n"]
-    lines = [f"# Greedy SPD replayed: {setup['model']}, n = {n}, {setup['prompts']} prompts, "
-             f"{setup['max_new_tokens']} new tokens", "",
-             f"Continuations: `ar` rows of `{setup['from']}`. Exact greedy counts of the engine from teacher-forced "
-             "drafts (`python -m infer.replay`).", "",
-             "| PSM | bench | alpha | S0 | accepted | rejected | engine check |", "|---|---|---|---|---|---|---|"]
-    for res in results:
-        for bench, p in res["pooled"].items():
-            check = (f"{p['engine_equal']}/{p['engine_checked']} prompts equal" if p["engine_checked"] else "no spd rows")
-            if p["engine_S0"] is not None:
-                check += f", measured S0 {p['engine_S0']:.3f}"
-            lines.append(f"| {_name(res['psm'])} | {bench} | {p['alpha']:.3f} | {p['S0']:.3f} | {p['accepted']} | "
-                         f"{p['rejected']} | {check} |")
-    lines += ["", "Per fill k (tokens in flight when the draft is made): teacher-forced agreement over every generated "
-              "position, and the engine's verified drafts made at that fill (accepted / verified).", "",
-              "| PSM | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |", "|---|" + "---|" * n]
-    for res in results:
-        p = res["pooled"]["all"]
-        lines.append(f"| {_name(res['psm'])} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
-        lines.append(f"| {_name(res['psm'])} verified | " + " | ".join(
-            f"{a}/{v}" for a, v in zip(p["accepted_fill"], p["verified_fill"])) + " |")
-    if len(results[0]["by_length"]) > 1:
-        head = " | ".join(f"L={e['L']}" for e in results[0]["by_length"]) + " |"
-        lines += ["", "Pooled S0 by the budget of new tokens: the same runs with a smaller budget (the first L tokens "
-                  "of each continuation, as the engine commits them with budget L).", "",
-                  "| PSM | bench | " + head, "|---|---|" + "---|" * len(results[0]["by_length"])]
-        for res in results:
-            by = res["by_length"]
-            lines += [f"| {_name(res['psm'])} | {b} | " + " | ".join(f"{e['pooled'][b]['S0']:.3f}" for e in by) + " |"
-                      for b in by[-1]["pooled"]]
-        by = results[0]["by_length"]
-        lines += ["", f"Share of those tokens that close a {REPEAT}-gram already seen in the same continuation (loops, "
-                  "which drafters predict easily; a property of the continuations, the same for every PSM):", "",
-                  "| bench | " + head, "|---|" + "---|" * len(by)]
-        lines += [f"| {b} | " + " | ".join(f"{e['pooled'][b]['repeated']:.3f}" for e in by) + " |"
-                  for b in by[-1]["pooled"]]
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = results[0]["n"]
-    k = np.arange(1, n + 1)
-    fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
-    width = 0.8 / len(results)
-    for i, res in enumerate(results):
-        name = _name(res["psm"])
-        ax[0].plot(k, res["agreement_by_fill"], marker="o", label=name)
-        v = np.asarray(res["pooled"]["all"]["verified_fill"], float)
-        ax[1].bar(k + (i - (len(results) - 1) / 2) * width, v / max(v.sum(), 1), width, label=name)
-        ax[2].plot([e["L"] for e in res["by_length"]], [e["pooled"]["all"]["S0"] for e in res["by_length"]],
-                   marker="o", label=name)
-    ax[0].set(xlabel="fill k (tokens in flight at the draft)", ylabel="teacher-forced agreement",
-              title="draft agreement with the target by fill")
-    ax[1].set(xlabel="fill k", ylabel="share of verified drafts", title="which fills the engine verifies (greedy)")
-    ax[2].set(xlabel="budget of new tokens L", ylabel="pooled S0", title="S0 by generation length (greedy)")
-    ax[2].set_xscale("log", base=2)
-    lengths = [e["L"] for e in results[0]["by_length"]]
-    ax[2].set_xticks(lengths, [str(L) for L in lengths])
-    ax[2].minorticks_off()
-    for a in ax[:2]:
-        a.set_xticks(k)
-    for a in ax:
-        a.grid(alpha=0.3)
-    ax[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.replay", description=__doc__.split("\n")[0])
     ap.add_argument("--from", dest="source", required=True, help="an infer.evaluate --out directory with ar rows at T=0")
@@ -287,16 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output directory (default: FROM/replay)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from infer.evaluate import read_benchmark
-
     source = Path(args.source)
     try:
         model_name, max_new, ar, spd_rows = read_continuations(source, args.n)
         benches = {}
         for b in sorted({r["bench"] for r in ar}):
             benches[b] = read_benchmark(b, 1 + max(r["prompt_index"] for r in ar if r["bench"] == b))
-        import spd_jax
-
         model = spd_jax.load_model(args.model or model_name)
         prompts = []
         for r in ar:
@@ -313,9 +229,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     setup = {"model": model_name, "max_new_tokens": max_new, "prompts": len(ar), "from": str(source)}
     (out / "replay.json").write_text(json.dumps(dict(setup=setup, results=results), indent=1) + "\n")
-    text = markdown(results, setup)
+    text = replay_markdown(results, setup)
     (out / "replay.md").write_text(text)
-    plot(results, out / "replay.png")
+    plot_replay(results, out / "replay.png")
     print(text)
     return 0
 

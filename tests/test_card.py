@@ -2,10 +2,18 @@
 the evaluation rows of its own drafter (and `ar`'s of the same setup)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from spd_jax.drafters.store import content_id
+from spd_jax.reports import cards, lineage
+from spd_jax.reports.results import label_is_dir
 from train import card
+from train.loop import warm_start_record
 
 SETUP = dict(model="smollm2-135m-instruct", max_new_tokens=128, seed=0, backend="cpu")
 
@@ -95,8 +103,6 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
             "positions and steps below are this run's only); 734,018 response positions in all") in text
     # what the export recorded at the run's start wins over what the directory holds now (a PSM trained
     # on in its place), and a chain of warm starts is summed
-    from train.loop import warm_start_record
-
     meta = json.loads((psm / "psm.json").read_text())
     meta["trained"]["warm_start"] = warm_start_record(tmp_path / "n8")
     (psm / "psm.json").write_text(json.dumps(meta))
@@ -116,7 +122,7 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
 
 
 def test_time_line_keeps_two_figures_of_a_sub_second_step():
-    line = card._time_line([dict(step=10, wall_s=100.0), dict(step=20, wall_s=101.38)], dict(steps=20))
+    line = cards.time_line([dict(step=10, wall_s=100.0), dict(step=20, wall_s=101.38)], dict(steps=20))
     assert "median 0.14 s per step" in line
 
 
@@ -136,8 +142,6 @@ def test_rows_of_an_older_drafter_at_the_same_path_are_not_this_ones(tmp_path, c
     the rows evaluated with the older one at that path are left out, those of this content counted (at
     any path: a copy is the same PSM). Rows from before ids were recorded count by their path only in an
     evaluation that records none, with a warning."""
-    from spd_jax.drafters.store import content_id
-
     run, ev, psm = _psm_run(tmp_path)
     old = content_id(psm)
     (psm / "params" / "w").write_bytes(b"\1" * 2 ** 20)  # another PSM exported over it
@@ -173,8 +177,6 @@ def test_rows_of_an_older_drafter_at_the_same_path_are_not_this_ones(tmp_path, c
 def test_card_refuses_rows_of_two_setups(tmp_path, capsys, with_ids):
     """Rows of this drafter under two setups (here two lengths) are refused, whether they are taken by the
     content they record (drafter_id; the same prompts under both setups) or, from before ids, by path."""
-    from spd_jax.drafters.store import content_id
-
     run, ev, psm = _psm_run(tmp_path)
     ids = dict(drafter_id=content_id(psm)) if with_ids else {}
     _write_rows(ev, _res("spd", 8, psm=str(psm), **ids) + _res("spd", 8, psm=str(psm), max_new_tokens=64, **ids))
@@ -211,7 +213,7 @@ def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
     args = ["--run", str(run), "--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]
     _write_rows(ev, _res("spd", 8, psm=str(psm)) + _res("ar", 1, cycles=10, depth_ratio=1.0))
     assert card.main(args) == 0
-    points = json.loads((psm / card.LINEAGE).read_text())
+    points = json.loads((psm / lineage.LINEAGE).read_text())
     assert [(p["positions"], p["S0"], p["run"]) for p in points] == [(3000, 3.75, "c.yaml, 3 steps")]
     assert "### S0 against training positions" not in (psm / "CARD.md").read_text()  # one point: no plot
     # trained on from that PSM (its record in psm.json), exported over it, evaluated: a second point
@@ -221,32 +223,31 @@ def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
     _write_rows(ev, _res("spd", 8, psm=str(psm), cycles=10) + _res("ar", 1, cycles=10, depth_ratio=1.0))
     for _ in range(2):  # evaluated again: the same point, not a third
         assert card.main(args) == 0
-    points = json.loads((psm / card.LINEAGE).read_text())
+    points = json.loads((psm / lineage.LINEAGE).read_text())
     assert [(p["positions"], p["S0"]) for p in points] == [(3000, 3.75), (5000, 7.5)]
-    assert [p["warm_started"] for p in points] == [False, True] and len(card.lineage_chains(points)) == 1
+    assert [p["warm_started"] for p in points] == [False, True] and len(lineage.lineage_chains(points)) == 1
     # a later PSM trained from scratch starts a chain of its own: no line joins it to the earlier ones
-    assert [len(c) for c in card.lineage_chains(points + [dict(points[0], positions=9000)])] == [2, 1]
-    assert [len(c) for c in card.lineage_chains([{k: v for k, v in points[1].items() if k != "warm_started"}]
+    assert [len(c) for c in lineage.lineage_chains(points + [dict(points[0], positions=9000)])] == [2, 1]
+    assert [len(c) for c in lineage.lineage_chains([{k: v for k, v in points[1].items() if k != "warm_started"}]
                                                 * 2)] == [2]  # points from before the key: one chain
     text = (psm / "CARD.md").read_text()
     assert "| 3,000 | c.yaml, 3 steps | 0.500 | 3.75 |\n| 5,000 | c.yaml, 2 steps | 1.000 | 7.50 |" in text
     assert "![S0 against training positions](lineage.png)" in text and (psm / "lineage.png").stat().st_size > 0
     # only T = 0 rows make a point; another setup's point is kept but not drawn beside these
     _write_rows(ev, _res("spd", 8, psm=str(psm), temperature=1.0) + _res("ar", 1, depth_ratio=1.0, temperature=1.0))
-    assert card.main(args) == 0 and len(json.loads((psm / card.LINEAGE).read_text())) == 2
+    assert card.main(args) == 0 and len(json.loads((psm / lineage.LINEAGE).read_text())) == 2
     _write_rows(ev, _res("spd", 8, psm=str(psm), max_new_tokens=64) + _res("ar", 1, depth_ratio=1.0, max_new_tokens=64))
     assert card.main(["--eval", str(ev), "--psm", str(psm), "--eval-command", "EVAL"]) == 0
-    assert len(json.loads((psm / card.LINEAGE).read_text())) == 3
+    assert len(json.loads((psm / lineage.LINEAGE).read_text())) == 3
     assert "### S0 against training positions" not in (psm / "CARD.md").read_text()
-    (psm / card.LINEAGE).write_text("[{")
+    (psm / lineage.LINEAGE).write_text("[{")
     assert card.main(args) == 2 and "lineage.json is not valid JSON" in capsys.readouterr().err
-    assert (psm / card.LINEAGE).read_text() == "[{"
+    assert (psm / lineage.LINEAGE).read_text() == "[{"
 
 
 def test_data_line_names_a_limited_corpus_and_self_distilled_replies():
-    from train.loop import TrainConfig
-
-    line = card._data_line(TrainConfig(sources=("sharegpt", "gsm8k"), limit=400, responses="target"))
+    config = card.run_config(dict(config=dict(sources=["sharegpt", "gsm8k"], limit=400, responses="target")))
+    line = cards.data_line(config)
     assert line.startswith("- data: the first user turns of sharegpt, gsm8k (the first 400 conversations of each) "
                            "answered by the target itself")
 
@@ -254,21 +255,19 @@ def test_data_line_names_a_limited_corpus_and_self_distilled_replies():
 def test_merge_card_edge_cases():
     # no Evaluation section yet: it goes after Training, before the hand-written one
     old = "# T\n\nintro\n\n## Training\n\nx\n\n## Status\n\nhand\n"
-    assert card.merge_card(old, "## Evaluation\n\nNEW", True) == (
+    assert cards.merge_card(old, "## Evaluation\n\nNEW", True) == (
         "# T\n\nintro\n\n## Training\n\nx\n\n## Evaluation\n\nNEW\n\n## Status\n\nhand\n")
     # two Evaluation sections: one replaced, the other dropped; a "## " line inside a fence is no header
     old = ("# T\n\n## Training\n\nx\n\n## Evaluation\n\nA\n\n## Evaluation\n\nB\n\n"
            "## Status\n\n```\n## not a header\n```\n")
-    merged = card.merge_card(old, "## Evaluation\n\nNEW\n", True)
+    merged = cards.merge_card(old, "## Evaluation\n\nNEW\n", True)
     assert merged == "# T\n\n## Training\n\nx\n\n## Evaluation\n\nNEW\n\n## Status\n\n```\n## not a header\n```\n"
-    full = card.merge_card(old, "# T\n\n## Training\n\ny\n\n## Evaluation\n\nNEW\n", False)
+    full = cards.merge_card(old, "# T\n\n## Training\n\ny\n\n## Evaluation\n\nNEW\n", False)
     assert full == "# T\n\n## Training\n\ny\n\n## Evaluation\n\nNEW\n\n## Status\n\n```\n## not a header\n```\n"
 
 
 @pytest.mark.parametrize("label", ["random", "given", None])
 def test_untrained_or_unnamed_drafters_are_not_this_one(tmp_path, label):
-    from infer.evaluate import label_is_dir
-
     assert not label_is_dir(label, tmp_path)
     assert label_is_dir(str(tmp_path / "a" / ".."), tmp_path)
 
@@ -306,3 +305,20 @@ def test_eagle3_card(tmp_path):
     assert "| gsm8k | eagle3 k=3 | 0 | 2 | 20 | 2.000 | 10.0 | 1.00x |" in text and "| spd" not in text
     assert "untrained" not in text and "| all | eagle3 k=3 | 0 | 2 | 20 | 2.000 |" in text
     assert "evaluation's gpu backend (one device per run)" in text
+
+
+@pytest.mark.parametrize("modules, apart", [
+    ("spd_jax.reports.cards spd_jax.reports.tables spd_jax.reports.replay spd_jax.datasets", ("infer", "train", "bench")),
+    ("infer.evaluate infer.replay", ("train",)),
+    ("train.card", ("infer",)),
+])
+def test_reports_infer_and_train_import_apart(modules, apart):
+    """The reports and the data lookups are the library's: they import neither infer nor train, and infer
+    and train reach each other's figures only through them."""
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import importlib, sys\nfor m in {modules.split()!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {apart!r}))")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

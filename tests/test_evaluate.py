@@ -2,11 +2,17 @@
 with the cost model's projections, plots, resume; the EAGLE-3 round's projection on its own."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 import spd_jax
 from infer import evaluate
+from spd_jax.drafters.store import content_id
+from spd_jax.datasets import read_benchmark
+from spd_jax.reports.plots import plot_results
+from spd_jax.reports.results import pooled
+from spd_jax.reports.tables import PROFILES, project, results_markdown
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +23,7 @@ def tiny(tiny_ckpt):
 def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     bench = tmp_path / "b.jsonl"
     bench.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 9, 7 + 2 * i]}) + "\n" for i in range(2)))
-    prompts = {"b": evaluate.read_benchmark(str(bench), limit=2)}
+    prompts = {"b": read_benchmark(str(bench), limit=2)}
     out = tmp_path / "eval"
     methods = ["ar", "pipeline", "spd", "eagle3"]
     rows = evaluate.evaluate(tiny, prompts, methods, [2], [0.0], 8, out, spec="random", progress=False, ks=(3, 7),
@@ -31,22 +37,22 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     e3 = by[("eagle3", 7, 0)]
     assert e3["n"] == 1 and e3["k"] == 7 and e3["drafter_spec"] == "random" and e3["S0"] == e3["alpha"]
     assert e3["alpha"] == e3["tokens"] / e3["cycles"]  # tokens per target pass (cycles = verification rounds)
-    table = evaluate.pooled(rows)
+    table = pooled(rows)
     spd_all = next(t for t in table if t["bench"] == "all" and t["method"] == "spd")
     assert spd_all["tokens"] == sum(r["tokens"] for r in rows if r["method"] == "spd")
     assert spd_all["alpha"] == spd_all["tokens"] / sum(r["cycles"] for r in rows if r["method"] == "spd")
     e3_all = next(t for t in table if t["bench"] == "all" and t["method"] == "eagle3" and t["k"] == 3)
     assert e3_all["S0"] == e3_all["tokens"] / sum(r["cycles"] for r in rows if r.get("k") == 3)
-    md = evaluate.results_markdown(table, dict(model="tiny"))
+    md = results_markdown(table, dict(model="tiny"))
     # random drafters are marked, so no one reads their S0 as a trained drafter's
     assert "| b | spd (untrained drafter) | 2 | 0 | 2 |" in md and "| b | eagle3 k=7 (untrained drafter) | 1 | 0 | 2 |" in md
     assert "| b | pipeline | 2 | 0 | 2 |" in md
-    evaluate.project(table, tiny.config)
-    md = evaluate.results_markdown(table, dict(model="tiny"))
+    project(table, tiny.config)
+    md = results_markdown(table, dict(model="tiny"))
     assert "proj. H200 | proj. TPU |" in md and "| all | ar | 1 | 0 | 2 |" in md
     for t in table:
-        assert all(t["proj"][p]["speedup"] > 0 for p in evaluate.PROFILES)
-    evaluate.plot(table, out)
+        assert all(t["proj"][p]["speedup"] > 0 for p in PROFILES)
+    plot_results(table, out)
     for png in ("s0_vs_n.png", "speed_vs_n.png", "cycle_breakdown.png"):
         assert (out / png).stat().st_size > 0
 
@@ -81,10 +87,6 @@ def test_a_changed_drafter_at_the_same_path_is_computed_again(tiny, tmp_path, mo
     written to the same path, a rerun into the same --out computes that path's rows again and returns
     only the new ones; rows from before ids were recorded are computed again too (their drafter is
     unknown), while ar rows (no drafter) are still reused."""
-    from types import SimpleNamespace
-
-    from spd_jax.drafters.store import content_id
-
     psm, drafter = tmp_path / "psm", tmp_path / "drafter"
     _fake_drafter(psm, "psm.json", 0)
     _fake_drafter(drafter, "eagle3.json", 0)
@@ -164,23 +166,23 @@ def test_rows_run_in_blocks_of_prompts_each_method_in_turn():
 
 
 def test_known_benchmarks_follow_the_reference_conventions():
-    mt = evaluate.read_benchmark("mt_bench")
+    mt = read_benchmark("mt_bench")
     assert len(mt) == 80 and mt[0]["text"].startswith("Compose an engaging travel blog post")  # first turn
-    he = evaluate.read_benchmark("humaneval", limit=3)
+    he = read_benchmark("humaneval", limit=3)
     assert len(he) == 3 and he[0]["text"].startswith("Complete the code I provided.\nfrom typing import List")
-    assert len(evaluate.read_benchmark("gsm8k", limit=5)) == 5
+    assert len(read_benchmark("gsm8k", limit=5)) == 5
     with pytest.raises(FileNotFoundError, match="neither a known one"):
-        evaluate.read_benchmark("nope")
+        read_benchmark("nope")
 
 
 def test_a_bad_benchmark_line_is_named(tmp_path):
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": "cut\n')
     with pytest.raises(ValueError, match=r"b.jsonl:2 is not a JSON object"):
-        evaluate.read_benchmark(str(bad))
+        read_benchmark(str(bad))
     bad.write_text('["a list"]\n')
     with pytest.raises(ValueError, match=r"b.jsonl:1 is not a JSON object"):
-        evaluate.read_benchmark(str(bad))
+        read_benchmark(str(bad))
 
 
 def test_the_commands_that_made_the_rows_are_recorded(tmp_path):

@@ -3,15 +3,19 @@ cycles, accepted and rejected drafts, under drafts right and wrong in any patter
 and with a PSM, the teacher-forced drafts by fill (`psm.drafts_by_fill`) are the ones it verifies."""
 
 import dataclasses
+import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import spd_jax
+from infer import evaluate, replay
+from spd_jax.datasets import read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.decode.schedule import replay_greedy
-from spd_jax.drafters.psm import PSMConfig, drafts_by_fill, init_psm
+from spd_jax.drafters.psm import PSMConfig, drafts_by_fill, init_psm, save_psm
 
 PROMPT = [1, 17, 42, 99, 5, 63, 7]
 NEW = 24
@@ -87,11 +91,6 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     row, and so do the pooled alpha and S0, and at a smaller budget the engine's runs with that budget;
     tables and plot are written. After another PSM is written to the same path, the run's spd rows (of
     the old one) are not checked against it."""
-    import json
-
-    from infer import evaluate, replay
-    from spd_jax.drafters.psm import save_psm
-
     n = 4
     spec = PSMConfig.for_target(deep.config, pipelined.plan_for(deep, n).counts, num_layers=1)
     psm = tmp_path / "psm"
@@ -99,7 +98,7 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     bench = tmp_path / "b.jsonl"
     bench.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 9, 7 + 2 * i, 3]}) + "\n" for i in range(3)))
     out = tmp_path / "eval"
-    evaluate.evaluate(deep, {str(bench): evaluate.read_benchmark(str(bench))}, ["ar", "spd"], [n], [0.0], 12, out,
+    evaluate.evaluate(deep, {str(bench): read_benchmark(str(bench))}, ["ar", "spd"], [n], [0.0], 12, out,
                       spec=str(psm), progress=False)
     assert replay.main(["--from", str(out), "--model", str(deep.path), "--psm", str(psm), "--n", str(n)]) == 0
     res = json.loads((out / "replay" / "replay.json").read_text())["results"][0]
@@ -114,7 +113,7 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
     by = {e["L"]: e["pooled"] for e in res["by_length"]}
     assert [e["L"] for e in res["by_length"]] == [8, 12] and by[12]["all"]["S0"] == pooled["S0"]
     short = tmp_path / "eval8"
-    evaluate.evaluate(deep, {str(bench): evaluate.read_benchmark(str(bench))}, ["spd"], [n], [0.0], 8, short,
+    evaluate.evaluate(deep, {str(bench): read_benchmark(str(bench))}, ["spd"], [n], [0.0], 8, short,
                       spec=str(psm), progress=False)
     spd8 = [json.loads(x) for x in (short / "results.jsonl").read_text().splitlines()]
     for key in ("tokens", "cycles", "accepted", "rejected"):
@@ -127,8 +126,6 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
         assert by[L]["all"]["repeated"] == pytest.approx(sum(f.sum() for f in flags) / sum(len(f) for f in flags))
     # another PSM written to the same path: the engine's rows are the old one's (their drafter_id), not
     # checked against this one's replay
-    import shutil
-
     shutil.rmtree(psm)
     save_psm(psm, init_psm(deep.config, spec, deep.params, seed=6), spec)
     assert replay.main(["--from", str(out), "--model", str(deep.path), "--psm", str(psm), "--n", str(n)]) == 0
@@ -140,7 +137,5 @@ def test_replay_cli_reproduces_the_evaluated_spd_rows(deep, tmp_path):
 
 
 def test_repeats_marks_the_tokens_that_close_a_seen_ngram():
-    from infer.replay import repeats
-
-    assert repeats([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5]).tolist() == [False] * 7 + [True] * 4 + [False]
-    assert not repeats([7, 7, 7]).any() and repeats([7, 7, 7, 7, 7]).tolist() == [False] * 4 + [True]
+    assert replay.repeats([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5]).tolist() == [False] * 7 + [True] * 4 + [False]
+    assert not replay.repeats([7, 7, 7]).any() and replay.repeats([7, 7, 7, 7, 7]).tolist() == [False] * 4 + [True]
