@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from transformers import AutoTokenizer
 
 from spd_jax import methods
 from spd_jax.config import ModelConfig
@@ -159,7 +158,10 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
         params = reader.load(_DTYPES[dtype], placement.shardings(axes), layers=axes["layers"] is not None)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        # local files only; never remote code
+        # imported here, not at the top: transformers pulls in torch (seconds), and only a checkpoint with
+        # tokenizer files needs it. Local files only; never remote code.
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     return Model(cfg, params, tokenizer, path, reader)
 

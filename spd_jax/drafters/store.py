@@ -18,13 +18,20 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from spd_jax import distributed
 from spd_jax.config import ModelConfig, read_json
 from spd_jax.drafters.kind import DrafterKind
 from spd_jax.drafters.shared import check_vocab_ids
 from spd_jax.models import decoder
+
+
+def _orbax():
+    """orbax.checkpoint, imported on first use rather than at the top: it costs about a second, and most
+    runs (ar, tp, a random drafter, every `import spd_jax`) never read or write a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, what: str,
@@ -35,6 +42,7 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"{path} exists; save the {what} to a new directory")
+    ocp = _orbax()
     distributed.barrier(f"save {what}")  # in a multi-process job: every process checked before any writes
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", variables)
@@ -96,6 +104,7 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
     params = Path(path) / "params"
     if not params.is_dir():
         raise FileNotFoundError(f"{path} has an identity file but no params/ (its weights): {DAMAGED}")
+    ocp = _orbax()
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
     quiet_abandoned_reads()
