@@ -57,6 +57,8 @@ class Method:
     drafter_hint: ClassVar[str] = ""  # where a misplaced drafter= belongs instead
     drafter_kind: ClassVar[DrafterKind | None] = None  # the network drafter it runs
     random_drafter_on_request: ClassVar[bool] = False  # a CLI runs a random drafter only when asked for it
+    baseline: ClassVar[bool] = False  # the one-device autoregressive reference the others are compared with
+    label_key: ClassVar[str | None] = None  # the stats key naming its drafter's weights (`registry.Resolved.label`)
 
     def __init__(self):
         self.compiled = CompileCache()  # its executables, keyed by shapes and compile-time switches
@@ -90,6 +92,10 @@ class Method:
     def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
         raise NotImplementedError
 
+    def steps(self, stats: dict) -> int:
+        """The target steps a run took (tokens / steps: SPD's alpha, the chain's tokens per round)."""
+        return stats["tokens"]
+
     def summary(self, stats: dict) -> str:
         """The stats a CLI prints after a run, in one line."""
         return f"decode {stats['decode_tokens_per_s']:.1f} tok/s on {stats['devices']} device(s)"
@@ -106,6 +112,7 @@ class AR(Method):
 
     name = "ar"
     streams = True
+    baseline = True
 
     def placed(self, model, opts) -> tuple[dict, dict, Placement | None]:
         """-> (params, per-layer decode copy, placement)."""
@@ -209,6 +216,7 @@ class TP(AR):
     """`ar`, tensor-parallel over n devices (`sharding.TP_RULES`)."""
 
     name = "tp"
+    baseline = False
     Options = TPOptions
     multi_process = True
 
@@ -264,6 +272,9 @@ class Pipeline(Method):
                                   stop_at_eos=req.stop_at_eos, psm_placement=opts.psm_placement,
                                   compiled=self.compiled)
 
+    def steps(self, stats: dict) -> int:
+        return stats["cycles"]
+
     def summary(self, stats: dict) -> str:
         return (f"n={stats['n']} stages {stats['stage_layers']}, alpha {stats['alpha']:.3f}, S0 {stats['S0']:.2f}, "
                 f"accepted {stats['accepted']}, rejected {stats['rejected']}, PSM {stats['psm']}")
@@ -275,6 +286,7 @@ class SPD(Pipeline):
     name = "spd"
     default_drafter = "psm"
     drafter_kind = registry.PSM
+    label_key = "psm"
     random_drafter_on_request = True
 
 
@@ -299,6 +311,7 @@ class Eagle3(Method):
     Options = Eagle3Options
     drafter_hint = " (its drafter checkpoint is drafter_spec)"
     drafter_kind = registry.EAGLE3
+    label_key = "drafter_spec"
 
     def drafter_source(self, model, opts):
         return registry.source(self.drafter_kind, model, opts.drafter_spec)
@@ -314,6 +327,9 @@ class Eagle3(Method):
         stats.update(method=self.name, drafter_spec=label, stopped_at_eos=bool(tokens and tokens[-1] in eos),
                      backend=jax.default_backend(), devices=1, processes=1)
         return tokens, stats
+
+    def steps(self, stats: dict) -> int:
+        return stats["rounds"]
 
     def summary(self, stats: dict) -> str:
         return (f"k={stats['k']}, {stats['rounds']} rounds, {stats['tokens_per_round']:.3f} tokens/round, accepted "

@@ -49,3 +49,13 @@ def test_methods_are_objects_with_their_own_caches():
         methods.get("x")
     with pytest.raises(ValueError, match="eagle3 needs a positive chain length k"):
         methods.get("eagle3").options(k=0)
+
+
+def test_what_callers_ask_of_a_method_instead_of_its_name():
+    ar, spd, e3 = methods.get("ar"), methods.get("spd"), methods.get("eagle3")
+    assert [m.name for m in methods.METHODS.values() if m.baseline] == ["ar"]
+    assert (spd.label_key, e3.label_key, ar.label_key) == ("psm", "drafter_spec", None)
+    assert (ar.steps(dict(tokens=5)), spd.steps(dict(cycles=7)), e3.steps(dict(rounds=2))) == (5, 7, 2)
+    assert [m.name for m in methods.METHODS.values() if not m.multi_process] == ["ar", "eagle3"]
+    assert not registry.is_checkpoint("random") and not registry.is_checkpoint("given")
+    assert not registry.is_checkpoint(None) and registry.is_checkpoint("/some/psm")

@@ -75,6 +75,12 @@ def source(k: DrafterKind, model, ref: Any, plan=None) -> Source:
     return Source(found, "")
 
 
+def is_checkpoint(label: str | None) -> bool:
+    """Whether a `Resolved.label` (as stats record it) names a checkpoint directory, not a random or given
+    drafter (or none)."""
+    return label is not None and label not in (Form.RANDOM.value, Form.GIVEN.value)
+
+
 class Resolved(NamedTuple):
     config: Any  # the kind's config
     variables: dict  # in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are)
