@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+# Every kind's identity file, in the order the kinds were made: what marks a directory as a drafter
+# checkpoint (`store.content_id`), so a new kind needs no change there.
+IDENTITY_FILES: list[str] = []
+
+
 @dataclasses.dataclass(eq=False, repr=False)
 class DrafterKind:
     """One drafter with a network (the PSM, EAGLE-3): everything the registry, the store and the
@@ -40,6 +45,10 @@ class DrafterKind:
     train_fix: str  # how to get one for a model ({model}): the fix a refusal names
     missing_hint: str = ""  # appended when a directory has no identity file
     why_random: str = "an untrained one was asked for"  # a random one on request, in the notice
+
+    def __post_init__(self):
+        if self.identity_file not in IDENTITY_FILES:
+            IDENTITY_FILES.append(self.identity_file)
 
     def __repr__(self) -> str:
         return f"DrafterKind({self.name!r})"

@@ -36,7 +36,7 @@ def of_checkpoint(path: str | Path) -> DrafterKind:
     for k in KINDS.values():
         if (Path(path) / k.identity_file).is_file():
             return k
-    raise FileNotFoundError(f"{path} is not a drafter checkpoint (no {' or '.join(k.identity_file for k in KINDS.values())})")
+    raise FileNotFoundError(f"{path} is not a drafter checkpoint (no {' or '.join(store.META_NAMES)})")
 
 
 class Source(NamedTuple):

@@ -21,7 +21,7 @@ import numpy as np
 
 from spd_jax import distributed
 from spd_jax.config import ModelConfig, read_json
-from spd_jax.drafters.kind import DrafterKind
+from spd_jax.drafters.kind import IDENTITY_FILES, DrafterKind
 from spd_jax.drafters.shared import check_vocab_ids
 from spd_jax.models import decoder
 
@@ -122,7 +122,7 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
 # for (`target_weights`). The architecture signature ("target") alone lets a drafter for one model load on
 # another of the same shape (its base model, a fine-tune); this refuses those.
 TARGET_WEIGHTS = "target_weights"
-META_NAMES = ("psm.json", "eagle3.json")  # a drafter directory's identity file, one of these
+META_NAMES = IDENTITY_FILES  # a drafter directory's identity file, one of these (psm.json, eagle3.json)
 
 
 def target_weights(params: dict) -> str:
