@@ -20,18 +20,20 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
+import spd_jax  # imports JAX without starting its backend: _child still picks the device count
+from spd_jax.methods import METHODS
+from spd_jax.progress import progress_bar
+from spd_jax.sharding import request_cpu_devices
+
 
 def _child(args) -> int:
     import resource
 
-    if args.method != "ar":
-        from spd_jax.sharding import request_cpu_devices
-
-        request_cpu_devices(args.n)
-    import numpy as np
-
-    import spd_jax
-
+    method = METHODS[args.method]
+    if method.multi_process:
+        request_cpu_devices(args.n)  # before JAX initialises its backend (the first array)
     spd_jax.enable_persistent_cache(args.cache)
     model = spd_jax.load_model(args.model)
     ids = np.random.default_rng(0).integers(10, model.config.vocab_size, args.prompt_len).tolist()
@@ -57,10 +59,8 @@ def main(argv=None) -> int:
         args.n = int(args.n)
         return _child(args)
 
-    from spd_jax.progress import progress_bar
-
-    cases = [(m, int(n) if m != "ar" else 1, int(p)) for m in args.methods.split(",")
-             for n in (args.n.split(",") if m != "ar" else ["1"]) for p in args.prompt_lens.split(",")]
+    cases = [(m, int(n), int(p)) for m in args.methods.split(",")
+             for n in (args.n.split(",") if METHODS[m].multi_process else ["1"]) for p in args.prompt_lens.split(",")]
     rows = []
     for method, n, plen in progress_bar(cases, desc="compile", unit="case"):
         with tempfile.TemporaryDirectory() as cache:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import spd_jax
-from infer.evaluate import read_benchmark
+from spd_jax.datasets import read_benchmark
 from spd_jax.models import decoder
 from spd_jax.models.layers import dense
 from spd_jax.progress import progress_bar

@@ -17,6 +17,15 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
+
+import jax
+
+import spd_jax  # imports JAX without starting its backend: _measure still picks the device count
+from spd_jax.decode.pipelined import plan_for
+from spd_jax.models import schema
+from spd_jax.pipeline import stages
+from spd_jax.sharding import STAGE_RULES, TP_RULES, Placement, model_mesh, request_cpu_devices, stage_mesh
 
 
 def _rss() -> int:
@@ -29,8 +38,6 @@ class _PeakRSS:
     start, which JAX's own start-up can already exceed)."""
 
     def __enter__(self):
-        import threading
-
         self.before = self.peak = _rss()
         self._stop = threading.Event()
 
@@ -49,48 +56,41 @@ class _PeakRSS:
 
 
 def _measure(mode: str, model_name: str, n: int, dtype: str) -> dict:
-    import jax
-
-    from spd_jax.sharding import request_cpu_devices
-
-    request_cpu_devices(n)
-    import spd_jax  # noqa: F401  (imported before the measurement)
-
-    jax.devices()
+    request_cpu_devices(n)  # before JAX initialises its backend (the first array or device query)
     with _PeakRSS() as mem:
-        arrays = _load(mode, model_name, n, dtype)
+        arrays = LOADS[mode](model_name, n, dtype)
     dev0 = jax.devices()[0]
     on_dev0 = sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev0)
     total = sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
-    return dict(mode=mode, n=n if mode != "whole" else 1, load_peak_mb=(mem.peak - mem.before) / 2**20,
+    return dict(mode=mode, n=n if mode != WHOLE else 1, load_peak_mb=(mem.peak - mem.before) / 2**20,
                 held_mb=(_rss() - mem.before) / 2**20, device0_mb=on_dev0 / 2**20, all_devices_mb=total / 2**20)
 
 
-def _load(mode: str, model_name: str, n: int, dtype: str) -> list:
-    import jax
+def _whole(model_name: str, n: int, dtype: str) -> list:
+    return _ready(jax.tree.leaves(spd_jax.load_model(model_name, dtype=dtype).params))
 
-    import spd_jax
-    from spd_jax.sharding import STAGE_RULES, TP_RULES, Placement, model_mesh, stage_mesh
 
-    if mode == "whole":
-        m = spd_jax.load_model(model_name, dtype=dtype)
-        arrays = jax.tree.leaves(m.params)
-    elif mode == "tp":
-        m = spd_jax.load_model(model_name, dtype=dtype, mesh=model_mesh(n), rules=TP_RULES)
-        arrays = jax.tree.leaves(m.params)
-    else:
-        from spd_jax.decode.pipelined import plan_for
-        from spd_jax.models import schema
-        from spd_jax.pipeline import stages
+def _tp(model_name: str, n: int, dtype: str) -> list:
+    m = spd_jax.load_model(model_name, dtype=dtype, mesh=model_mesh(n), rules=TP_RULES)
+    return _ready(jax.tree.leaves(m.params))
 
-        mesh = stage_mesh(n)
-        m = spd_jax.load_model(model_name, dtype=dtype, mesh=mesh, rules=STAGE_RULES)
-        layout = stages.StageLayout.of(m.config, plan_for(m, n), (0,))
-        placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(m.config).items()))
-        arrays = jax.tree.leaves(m.params) + jax.tree.leaves(
-            stages.load_stage_weights(m.reader, m.config, layout, placement, m.dtype))
+
+def _stage(model_name: str, n: int, dtype: str) -> list:
+    mesh = stage_mesh(n)
+    m = spd_jax.load_model(model_name, dtype=dtype, mesh=mesh, rules=STAGE_RULES)
+    layout = stages.StageLayout.of(m.config, plan_for(m, n), (0,))
+    placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(m.config).items()))
+    return _ready(jax.tree.leaves(m.params) + jax.tree.leaves(
+        stages.load_stage_weights(m.reader, m.config, layout, placement, m.dtype)))
+
+
+def _ready(arrays: list) -> list:
     jax.block_until_ready(arrays)
     return arrays
+
+
+WHOLE = "whole"
+LOADS = {WHOLE: _whole, "tp": _tp, "stage": _stage}  # the placements measured, one process each
 
 
 def main(argv=None) -> int:
@@ -103,11 +103,9 @@ def main(argv=None) -> int:
     if args._child:
         print(json.dumps(_measure(args._child, args.model, args.n, args.dtype)))
         return 0
-    import spd_jax
-
     spd_jax.load_model(args.model)  # convert / cache the default model first: not part of any measurement
     rows = []
-    for mode in ("whole", "tp", "stage"):
+    for mode in LOADS:
         out = subprocess.run([sys.executable, "-m", "bench.load", "--model", args.model, "--n", str(args.n),
                               "--dtype", args.dtype, "--_child", mode], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

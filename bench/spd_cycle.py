@@ -30,8 +30,20 @@ Projections are not measurements; each states what it assumes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import statistics
+
+import jax.numpy as jnp
+
+import spd_jax  # imports JAX without starting its backend: main still picks the device count
+from spd_jax.decode.pipelined import plan_for
+from spd_jax.drafters.kind import Form
+from spd_jax.drafters.psm import PSMConfig, read_spec
+from spd_jax.pipeline import costs
+from spd_jax.pipeline.profile import profile_cycle
+from spd_jax.sharding import request_cpu_devices
 
 
 def main(argv=None) -> int:
@@ -50,17 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    from spd_jax.sharding import request_cpu_devices
-
     request_cpu_devices(args.n)
-    import logging
-
     logging.getLogger("spd_jax").setLevel(logging.ERROR)
-    import spd_jax
-    from spd_jax.decode.pipelined import plan_for
-    from spd_jax.drafters.psm import read_spec
-    from spd_jax.pipeline.profile import profile_cycle
-
     model = spd_jax.load_model(args.model)
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
         pipe.append(cycle("pipeline")[0])
     _, spd_stats = cycle("spd")
     plan = plan_for(model, args.n)  # the engine's default, what spd ran above
-    psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != "random" else 2)
+    psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != Form.RANDOM.value else 2)
     prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
@@ -124,13 +127,6 @@ def main(argv=None) -> int:
 def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_context: int) -> dict:
     """Per-device busy times per cycle (measured; predicted by the cost model fitted here, for the current
     and the device-aware plan) and the three profiles' projections, as one JSON-able dict."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from spd_jax.drafters.psm import PSMConfig
-    from spd_jax.pipeline import costs
-
     cfg, n = model.config, plan.n
     psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)  # what profile_cycle timed
     # every device its stage and one shard of each head; the PSM body on the last stage (psm_placement

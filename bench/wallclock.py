@@ -23,6 +23,7 @@ the link from gloo collectives timed between two one-core processes; at the spd 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +32,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import spd_jax  # imports JAX without starting its backend: each part still picks its devices first
+from spd_jax import distributed
+from spd_jax.datasets import read_benchmark
+from spd_jax.decode.pipelined import plan_for
+from spd_jax.drafters.psm import PSMConfig, read_spec
+from spd_jax.methods import METHODS
+from spd_jax.pipeline import costs
+from spd_jax.pipeline.profile import profile_cycle
+from spd_jax.progress import progress_bar
+from spd_jax.sharding import STAGE, request_cpu_devices, stage_mesh, vary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,13 +68,7 @@ def _run(cmd: list[str], pin: int | None = None, timeout: float = 3600) -> subpr
 
 def part_profile(args) -> None:
     """One process, pinned by the parent to one core: every part of an n=2 cycle timed alone."""
-    from spd_jax.sharding import request_cpu_devices
-
-    request_cpu_devices(2)
-    import spd_jax
-    from spd_jax.decode.pipelined import plan_for
-    from spd_jax.pipeline.profile import profile_cycle
-
+    request_cpu_devices(2)  # before JAX initialises its backend
     model = spd_jax.load_model(args.model)
     prof = profile_cycle(model, plan_for(model, 2), psm_layers=args.psm_layers, context=args.context)
     Path(args.part_out).write_text(json.dumps(prof))
@@ -67,18 +77,8 @@ def part_profile(args) -> None:
 def part_link(args) -> None:
     """In each of 2 one-core processes: the per-call time of the collectives a cycle uses, over gloo,
     each inside an on-device loop of `iters` calls (dispatch amortised)."""
-    from spd_jax import distributed
-
     cluster = distributed.cluster_from(args)
-    distributed.initialize(cluster, 1)
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    from spd_jax.sharding import STAGE, stage_mesh, vary
-
-    import spd_jax
-
+    distributed.initialize(cluster, 1)  # before JAX initialises its backend
     H = spd_jax.load_model(args.model).config.hidden_size
     mesh, iters = stage_mesh(2), 200
 
@@ -118,15 +118,13 @@ CONFIGS = [  # (label, infer.generate flags, pin to one core, processes)
 
 
 def measure(args, prompt_file: Path) -> list[dict]:
-    from spd_jax.progress import progress_bar
-
     # no PSM ships for n = 2: a random one unless --spec gives one (generate asks for it explicitly)
     spec = ["--spec", args.spec] if args.spec and not args.random_psm else ["--random-psm"]
     out = []
     for label, flags, pin, procs in progress_bar(CONFIGS, desc="wallclock", unit="config"):
         cmd = [sys.executable, "-m", "infer.generate", "--json", "--model", args.model, "--prompt-file",
                str(prompt_file), "--max-new-tokens", str(args.max_new_tokens), "--no-eos", *flags,
-               *(spec if "spd" in flags else [])]
+               *(spec if METHODS[flags[flags.index("--mode") + 1]].random_drafter_on_request else [])]
         rows = [json.loads(x) for x in _run(cmd, pin=0 if pin else None).stdout.splitlines()][1:]  # warm-up off
         tokens = sum(r["stats"]["tokens"] for r in rows)
         wall = sum(r["stats"]["wall_s"] for r in rows)
@@ -141,13 +139,6 @@ def measure(args, prompt_file: Path) -> list[dict]:
 
 
 def predictions(args, prof: dict, link: dict, alpha: float) -> dict:
-    import dataclasses
-
-    import spd_jax
-    from spd_jax.decode.pipelined import plan_for
-    from spd_jax.drafters.psm import PSMConfig, read_spec
-    from spd_jax.pipeline import costs
-
     model = spd_jax.load_model(args.model)
     cfg, plan = model.config, plan_for(model, 2)
     psm_cfg = (read_spec(args.spec) if args.spec and not args.random_psm
@@ -202,8 +193,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/wallclock")
     ap.add_argument("--part", choices=["profile", "link"], help=argparse.SUPPRESS)  # a child's job
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
-    from spd_jax import distributed
-
     distributed.add_arguments(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -217,8 +206,6 @@ def main(argv=None) -> int:
         return 0
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("error: bench.wallclock needs 2 CPU cores (one per process)")
-
-    from spd_jax.datasets import read_benchmark
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

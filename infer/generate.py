@@ -13,7 +13,11 @@ import logging
 import sys
 from pathlib import Path
 
+# spd_jax imports JAX but does not start its backend: the device set-up in main still precedes that
+import spd_jax
 from spd_jax import distributed
+from spd_jax.decode.pipelined import PSM_PLACEMENTS
+from spd_jax.methods import METHODS
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -71,7 +75,7 @@ def csv_of(kind, flag: str, example: str):
 
 
 def _placement(v: str):
-    if v in ("auto", "last", "own"):
+    if v in PSM_PLACEMENTS:
         return v
     try:
         return int(v)
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
-    ap.add_argument("--mode", choices=["ar", "tp", "pipeline", "spd", "eagle3"], default="spd",
+    ap.add_argument("--mode", choices=list(METHODS), default="spd",
                     help="spd: speculative pipeline decoding; pipeline: the same n stages, one token in flight; "
                          "tp: autoregressive, tensor-parallel over n devices; ar: plain autoregressive on one device; "
                          "eagle3: chain speculative decoding on one device with the EAGLE-3-style drafter")
@@ -147,23 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.processes is not None and args.mode in ("ar", "eagle3"):
-        print(f"error: --mode {args.mode} runs on one device in one process; --processes is for tp, pipeline and spd",
-              file=sys.stderr)
+    method = METHODS[args.mode]
+    if args.processes is not None and not method.multi_process:
+        print(f"error: --mode {args.mode} runs on one device in one process; --processes is for "
+              + ", ".join(m.name for m in METHODS.values() if m.multi_process), file=sys.stderr)
         return 2
     if distributed.launching(args):
         return distributed.launch(args.processes, "infer.generate", distributed.worker_argv(argv), args.local_devices)
+    spec = "random" if args.random_psm else args.spec
     try:
-        # On a CPU-only host the n stages are n host devices (split over the processes of a multi-process
+        opts = method.options(n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
+                              psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter)
+        # On a CPU-only host the devices are host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.
-        # a PSM on its own device: one device more than the stages
-        devices = args.n + (args.mode == "spd" and args.psm_placement == "own")
-        cluster = distributed.setup(args, devices if args.mode not in ("ar", "eagle3") else 1)
+        cluster = distributed.setup(args, method.devices(opts))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import spd_jax  # after the device set-up, which must precede JAX's initialisation
-
     if not args.no_compile_cache:
         spd_jax.enable_persistent_cache()
     # in a multi-process job every process computes the same result; process 0 alone prints it
@@ -172,38 +176,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         texts = None if args.prompt_ids is not None else (
             args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT]))
-        if args.mode == "tp":  # every device reads only its own shard of each weight
-            from spd_jax.sharding import TP_RULES, model_mesh
-
-            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=model_mesh(args.n), rules=TP_RULES)
-        elif cluster is not None:  # each process reads only its own stages' layers
-            from spd_jax.sharding import STAGE_RULES, stage_mesh
-
-            model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=stage_mesh(devices), rules=STAGE_RULES)
-        else:
-            model = spd_jax.load_model(args.model, dtype=args.dtype)
+        placement = method.load_placement(opts, cluster is not None)
+        mesh, rules = placement if placement else (None, None)
+        model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=mesh, rules=rules)
         if texts is None:
             jobs = [(None, args.prompt_ids)]
         else:
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
-        spec = "random" if args.random_psm else args.spec
-        if args.mode == "spd" and spec is None:  # a random PSM only when asked for (the API would fall back)
-            from spd_jax.decode.pipelined import plan_for, psm_source
-
-            found, why = psm_source(model, plan_for(model, args.n, args.stages), None)
+        if method.random_drafter_on_request and spec is None:  # a random drafter only when asked for one
+            found, why = method.drafter_source(model, opts)
             if found is None:
                 raise ValueError(f"no trained PSM to run: {why}; pass --spec DIR (a PSM train.main exported for this "
                                  "model, n and stage plan) or --random-psm (output still exact, few drafts accepted)")
         for text, ids in jobs:
-            stream = None if args.json or args.mode not in ("ar", "tp") or cluster else _TextStream(model)
+            stream = None if args.json or not method.streams or cluster else _TextStream(model)
             if leader and not args.json:
                 print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
             res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
                                    stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
                                    n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
-                                   psm_placement=args.psm_placement,
-                                   **(dict(k=args.k, drafter_spec=args.drafter) if args.mode == "eagle3" else {}))
+                                   psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter)
             out_text = model.decode(res.token_ids)
             if not leader:
                 continue
@@ -214,15 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                 s = res.stats
                 if stream is None:
                     print(out_text, end="")
-                detail = (f"decode {s['decode_tokens_per_s']:.1f} tok/s on {s['devices']} device(s)"
-                          if args.mode in ("ar", "tp") else
-                          f"k={s['k']}, {s['rounds']} rounds, {s['tokens_per_round']:.3f} tokens/round, accepted "
-                          f"{s['accepted']}, rejected {s['rejected']}, drafter {s['drafter_spec']}"
-                          if args.mode == "eagle3" else
-                          f"n={s['n']} stages {s['stage_layers']}, alpha {s['alpha']:.3f}, S0 {s['S0']:.2f}, "
-                          f"accepted {s['accepted']}, rejected {s['rejected']}, PSM {s['psm']}")
                 print(f"\n\n[{args.mode}] {s['tokens']} tokens in {s['wall_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s "
-                      f"({detail}; compile {s['compile_s']:.1f} s ({s['compile_from']}), backend {s['backend']})", file=sys.stderr)
+                      f"({method.summary(s)}; compile {s['compile_s']:.1f} s ({s['compile_from']}), backend "
+                      f"{s['backend']})", file=sys.stderr)
     except (ValueError, FileNotFoundError, KeyError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,15 +1,14 @@
 """Public API: `load_model`, `Model`, `generate`.
 
 Thin over the library: resolving a model name, holding config/params/tokenizer together, validating
-requests and timing them. The math lives in `spd_jax.models`, the loops in `spd_jax.decode`.
+requests and handing them to a decoding method (`spd_jax.methods`). The math lives in
+`spd_jax.models`, the loops in `spd_jax.decode`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,17 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from spd_jax import methods
 from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.decode import ar
-from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
-from spd_jax.decode.pipelined import generate_pipelined
 from spd_jax.decode.sampling import SamplingParams
+from spd_jax.drafters import registry
+from spd_jax.drafters.store import target_weights
 from spd_jax.models import decoder, schema
-from spd_jax.sharding import STAGE, TP_RULES, Placement, Rules, model_mesh, put
-
-log = logging.getLogger(__name__)
+from spd_jax.sharding import STAGE, Placement, Rules
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -53,8 +51,6 @@ class Model:
         """`drafters.store.target_weights` of these weights (the same for float32 and bfloat16 loads),
         computed once: what a drafter checkpoint records of the model it was trained for."""
         if "weights_fingerprint" not in self.runtime:
-            from spd_jax.drafters.store import target_weights
-
             self.runtime["weights_fingerprint"] = target_weights(self.params)
         return self.runtime["weights_fingerprint"]
 
@@ -162,71 +158,18 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
         params = reader.load(_DTYPES[dtype], placement.shardings(axes), layers=axes["layers"] is not None)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer  # local files only; never remote code
+        # imported here, not at the top: transformers pulls in torch (seconds), and only a checkpoint with
+        # tokenizer files needs it. Local files only; never remote code.
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     return Model(cfg, params, tokenizer, path, reader)
 
 
-_random_eagle3_noted: list[bool] = []
-
-
 def eagle3_source(model: Model, drafter_spec=None):
-    """drafter_spec as `resolve_eagle3` takes it -> what runs: a checkpoint path, None for a random
-    drafter, or drafter_spec itself when it is (Eagle3Config, variables). Loads nothing
-    (`infer.evaluate` asks it which checkpoint a row will use before running it)."""
-    from spd_jax.drafters import eagle3
-
-    if isinstance(drafter_spec, str) and drafter_spec == "random":
-        return None
-    if drafter_spec is None:
-        return eagle3.shipped_eagle3(defaults.canonical_name(model.path.name))
-    return drafter_spec
-
-
-def resolve_eagle3(model: Model, drafter_spec=None):
-    """drafter_spec: None (the EAGLE-3 drafter shipped for this default model, `spd_jax/eagle3s/<model>/`,
-    else a random one, announced once), "random" (seed 0), a checkpoint directory (`save_eagle3`; one
-    for another target is refused) or (Eagle3Config, variables). -> (config, variables in the model's
-    dtype, label)."""
-    from spd_jax.drafters import eagle3
-
-    drafter_spec = eagle3_source(model, drafter_spec)
-    if drafter_spec is None:
-        spec = eagle3.Eagle3Config.for_target(model.config)
-        if not _random_eagle3_noted:  # once per process, not once per call
-            _random_eagle3_noted.append(True)
-            log.warning("eagle3: no drafter checkpoint given (--drafter); using a randomly initialised EAGLE-3 "
-                        "drafter. Output is still exactly the target's, but few drafts will be accepted.")
-        key = ("random_eagle3", spec)
-        if key not in model.runtime:
-            model.runtime[key] = eagle3.init_eagle3(model.config, spec, model.params, 0, model.dtype)
-        return spec, model.runtime[key], "random"
-    if isinstance(drafter_spec, (str, Path)):
-        key = ("eagle3_checkpoint", str(Path(drafter_spec).absolute()))
-        if key not in model.runtime:
-            model.runtime[key] = eagle3.load_eagle3(drafter_spec, model.config, model.params, model.dtype,
-                                                    target_weights=model.weights_fingerprint,
-                                                    model_name=str(model.path))
-        spec, variables = model.runtime[key]
-        return spec, variables, str(drafter_spec)
-    spec, variables = drafter_spec
-    eagle3.check_spec(spec, model.config, "(given)")
-    cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
-    return spec, jax.tree.map(cast, variables), "given"
-
-
-def _generate_eagle3(model: Model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, k: int,
-                     drafter_spec, stop_at_eos: bool) -> tuple[list[int], dict]:
-    from spd_jax.decode.chain import generate_chain
-    from spd_jax.drafters.eagle3 import Eagle3Drafter, drafter_params
-
-    spec, variables, label = resolve_eagle3(model, drafter_spec)
-    tokens, stats = generate_chain(model, prompt, max_new_tokens, Eagle3Drafter(model.config, spec, k),
-                                   drafter_params(variables, model.params), sp, stop_at_eos)
-    eos = set(model.eos_token_ids) if stop_at_eos else set()
-    stats.update(method="eagle3", drafter_spec=label, stopped_at_eos=bool(tokens and tokens[-1] in eos),
-                 backend=jax.default_backend(), devices=1, processes=1)
-    return tokens, stats
+    """`registry.source` of EAGLE-3: drafter_spec (a `DrafterRef` or its older forms) -> what runs: a
+    checkpoint path, None for a random drafter, or the given reference. Loads nothing."""
+    return registry.source(registry.EAGLE3, model, drafter_spec).found
 
 
 def _token_ids(ids, what: str) -> np.ndarray:
@@ -243,61 +186,11 @@ class GenerateResult:
     stats: dict
 
 
-# AOT-compiled executables, keyed by shapes and compile-time switches, so compile time is measured
-# apart from run time and never counted in tokens/s.
-_compiled = CompileCache()
+METHODS = tuple(methods.METHODS)  # the method names generate takes
 
 
-METHODS = ("ar", "tp", "pipeline", "spd", "eagle3")
-
-
-def tp_runtime(model: Model, n: int):
-    """Params placed for n-way tensor parallelism (`sharding.TP_RULES`), their per-layer decode copy
-    and the placement -> (params, layers, placement). Params loaded with that placement are used as
-    they are; others are resharded once (one tensor-parallel placement kept at a time)."""
-    key = ("tp", n)
-    if key not in model.runtime:
-        for old in [k for k in model.runtime if k[0] == "tp"]:
-            del model.runtime[old]
-        cfg = model.config
-        placement = Placement(model_mesh(n), TP_RULES, tuple(schema.axis_units(cfg).items()))
-        shardings = placement.shardings(schema.param_axes(cfg))
-        same = all(getattr(a, "sharding", None) == b for a, b in zip(jax.tree.leaves(model.params),
-                                                                     jax.tree.leaves(shardings)))
-        params = model.params if same else put(model.params, shardings)
-        model.runtime[key] = (params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement)
-    return model.runtime[key]
-
-
-def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0, *, method: str = "ar",
-             stop_at_eos: bool = True, max_len: int | None = None,
-             stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
-             spec=None, psm_layers: int = 2, drafter: str | None = None,
-             oracle_tokens: Sequence[int] | None = None, psm_placement="auto",
-             k: int = 3, drafter_spec=None) -> GenerateResult:
-    """Generate a continuation of one prompt.
-
-    prompt_ids: the prompt's token ids (text: `model.encode(text)` first). max_len: the context limit,
-    at most (and by default) the model's max_position_embeddings; the prompt plus max_new_tokens must
-    fit in it. stream: called with each token id as it commits (a host callback from inside the
-    on-device loop; "ar" and "tp").
-    method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
-    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined
-    methods: n stages (one device each), stage_layers (explicit per-stage layer counts), spec (a PSM
-    checkpoint directory; None: the PSM shipped for a default model at this n, else a random one;
-    "random": an untrained PSM), psm_layers (Ls of a random PSM), drafter (override: "psm", "none", or
-    "oracle" with oracle_tokens, for tests; EAGLE-3 is method="eagle3", not a drafter), psm_placement
-    (where the PSM body runs: "auto", the stage the cost model finds fastest; "last"; a stage index; or
-    "own", a device of its own, n + 1 devices in all).
-    "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
-    k drafts per round, one target pass over k + 1 positions; drafter_spec: its checkpoint directory
-    (None: the one shipped for a default model, else a random one; "random"; or (Eagle3Config, variables)).
-    Returns the generated ids and stats (tokens, timings and what they include).
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: available: {', '.join(METHODS)}")
-    sp = SamplingParams(temperature, top_k, top_p, seed)
+def _request(model: Model, prompt_ids, max_new_tokens, max_len) -> np.ndarray:
+    """Check a request against the model -> the prompt's ids, int64 [P]."""
     cfg = model.config
     prompt = _token_ids(prompt_ids, "prompt_ids")
     if prompt.size == 0:
@@ -320,95 +213,43 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                             f"max_position_embeddings ({cfg.max_position_embeddings})" if max_len and
                             max_len < cfg.max_position_embeddings else
                             "max_new_tokens (the limit is the model's max_position_embeddings)"))
+    return prompt
 
-    if drafter is not None and method not in ("pipeline", "spd"):
-        raise ValueError(f"drafter={drafter!r} is for method 'spd' or 'pipeline'; method {method!r} takes none"
-                         + (" (its drafter checkpoint is drafter_spec)" if method == "eagle3" else ""))
-    if method in ("pipeline", "spd"):
-        if stream is not None:
-            raise ValueError("streaming is available for method='ar' and 'tp' only")
-        tokens, stats = generate_pipelined(model, prompt, int(max_new_tokens), sp, method=method, n=n,
-                                           stage_layers=stage_layers, spec=spec, psm_layers=psm_layers,
-                                           drafter=drafter, oracle_tokens=oracle_tokens, stop_at_eos=stop_at_eos,
-                                           psm_placement=psm_placement)
-        return GenerateResult(tokens, stats)
-    if method == "eagle3":
-        if stream is not None:
-            raise ValueError("streaming is available for method='ar' and 'tp' only")
-        if not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"eagle3 needs a positive chain length k, got {k!r}")
-        model._require_layers("method='eagle3'")
-        return GenerateResult(*_generate_eagle3(model, prompt, int(max_new_tokens), sp, int(k), drafter_spec,
-                                                stop_at_eos))
 
-    p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
-    cache_len = ar.round_up(max(P + max_new_tokens, p_pad), ar.CACHE_BUCKET)
-    out_len = ar.round_up(max_new_tokens, ar.OUT_BUCKET)
-    prompt_arr = jnp.zeros((1, p_pad), jnp.int32).at[0, :P].set(jnp.asarray(prompt, jnp.int32))
-    eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
-    eos_arr = jnp.asarray(eos if eos.size else np.array([-1], np.int32))
-    rt = sp.runtime()
-    statics = dict(cfg=cfg, greedy=sp.greedy, filtered=sp.filtered)
-    plen = jnp.int32(P)
-    model._require_layers(f"method={method!r}")
-    if method == "tp":
-        if not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"tp needs a positive device count n, got {n!r}")
-        params, layers, placement = tp_runtime(model, int(n))
-    else:
-        if "decode_layers" not in model.runtime:
-            model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
-        params, layers, placement = model.params, model.runtime["decode_layers"], None
-    head = {k: v for k, v in params.items() if k != "layers"}
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, *, method: str = "ar",
+             stop_at_eos: bool = True, max_len: int | None = None,
+             stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
+             spec=None, psm_layers: int = 2, drafter: str | None = None,
+             oracle_tokens: Sequence[int] | None = None, psm_placement="auto",
+             k: int = 3, drafter_spec=None) -> GenerateResult:
+    """Generate a continuation of one prompt with the method named `method` (`spd_jax.methods.METHODS`).
 
-    pre_args = (params, prompt_arr, plen, rt)
-    pre_statics = dict(statics, cache_len=cache_len, placement=placement)
-    events = cache_events()
-    pre, c1 = _compiled.get(("prefill", p_pad, cache_len, model.dtype, placement, *statics.items()),
-                            lambda: ar.prefill.lower(*pre_args, **pre_statics))
-    loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
-    loop_key = ("loop", cache_len, eos_arr.shape, model.dtype, placement, *loop_statics.items())
-    # Shapes only, for lowering: the real caches come out of prefill (donated into the loop).
-    caches = jax.eval_shape(lambda: decoder.split_cache(decoder.init_cache(cfg, 1, cache_len, model.dtype), cfg))
-    loop_args = (layers, head, jnp.int32(0), plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
-    loop, c2 = _compiled.get(loop_key,
-                             lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
-    compile_from = compile_source(events, c1 + c2)  # now: the run's own eager ops also touch the cache
-
-    t0 = time.perf_counter()
-    first, caches = pre(*pre_args)
-    first.block_until_ready()
-    t1 = time.perf_counter()
-    if stream is not None:
-        ar.set_stream_sink(lambda tok, i: stream(tok))
-    try:
-        out, count, _ = loop(layers, head, first, plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
-        count = int(count)  # waits for the loop
-        tokens = np.asarray(out[:count]).tolist()
-    finally:
-        ar.set_stream_sink(None)
-    t2 = time.perf_counter()
-
-    decode_s = t2 - t1
-    stats = dict(
-        method=method, tokens=count, prompt_tokens=P,
-        prefill_s=t1 - t0, decode_s=decode_s, wall_s=t2 - t0,
-        tokens_per_s=count / (t2 - t0),
-        decode_tokens_per_s=(count - 1) / decode_s if count > 1 else float("nan"),
-        compile_s=c1 + c2, compile_from=compile_from,
-        stopped_at_eos=bool(count and tokens[-1] in set(eos.tolist())),
-        backend=jax.default_backend(), devices=placement.mesh.size if placement else 1,
-        processes=jax.process_count() if placement else 1,
-        timing_includes=("device compute, host dispatch and the device-to-host copy of the result"
-                         + (", and the all-reduces after every attention-out and MLP-down projection and "
-                            "across the vocabulary shards" if placement else "")
-                         + (f" (across {jax.process_count()} processes)" if placement and jax.process_count() > 1
-                            else "")
-                         + (", plus one host callback per token for streaming" if stream else "")
-                         + "; excludes compilation (compile_s, ahead of time, cached per shape bucket). "
-                           "decode_tokens_per_s counts tokens after the first over the decode loop alone"),
-    )
-    return GenerateResult(tokens, stats)
+    prompt_ids: the prompt's token ids (text: `model.encode(text)` first). max_len: the context limit,
+    at most (and by default) the model's max_position_embeddings; the prompt plus max_new_tokens must
+    fit in it. stream: called with each token id as it commits (a host callback from inside the
+    on-device loop; "ar" and "tp").
+    method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
+    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined
+    methods: n stages (one device each), stage_layers (explicit per-stage layer counts), spec (the PSM:
+    a `drafters.kind.DrafterRef`, or a checkpoint directory; None: the PSM shipped for a default model
+    at this n, else a random one; "random": an untrained PSM; (PSMConfig, variables)), psm_layers (Ls of
+    a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests; EAGLE-3
+    is method="eagle3", not a drafter), psm_placement (where the PSM body runs: "auto", the stage the
+    cost model finds fastest; "last"; a stage index; or "own", a device of its own, n + 1 devices in all).
+    "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
+    k drafts per round, one target pass over k + 1 positions; drafter_spec: the drafter, in the forms
+    spec takes (None: the one shipped for a default model, else a random one).
+    Returns the generated ids and stats (tokens, timings and what they include).
+    """
+    m = methods.get(method)
+    sp = SamplingParams(temperature, top_k, top_p, seed)
+    prompt = _request(model, prompt_ids, max_new_tokens, max_len)
+    m.check(drafter, stream)
+    opts = m.options(n=n, stage_layers=stage_layers, spec=spec, psm_layers=psm_layers, drafter=drafter,
+                     oracle_tokens=oracle_tokens, psm_placement=psm_placement, k=k, drafter_spec=drafter_spec)
+    req = methods.Request(prompt, int(max_new_tokens), sp, stop_at_eos, stream)
+    return GenerateResult(*m.run(model, req, opts))
 
 
 def cast_matrices(tree, dtype: str):

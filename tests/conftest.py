@@ -205,10 +205,10 @@ def _release_executables():
     yield
     import gc
 
-    from spd_jax import api
+    from spd_jax import methods
     from spd_jax.decode import chain, pipelined
 
-    api._compiled.clear()
+    methods.clear_compiled()
     pipelined._compiled.clear()
     chain._compiled.clear()
     jax.clear_caches()

@@ -32,7 +32,7 @@ def test_unknown_drafter_is_refused(model, method):
 
 
 def test_drafter_of_another_method_is_refused(model):
-    with pytest.raises(ValueError, match="drafter='oracle' is for method 'spd' or 'pipeline'; method 'ar'"):
+    with pytest.raises(ValueError, match="drafter='oracle' is for method 'pipeline' or 'spd'; method 'ar'"):
         spd_jax.generate(model, [1, 2], 4, drafter="oracle")
     with pytest.raises(ValueError, match="its drafter checkpoint is drafter_spec"):
         spd_jax.generate(model, [1, 2], 4, method="eagle3", drafter="random")

@@ -11,7 +11,7 @@ import torch
 from scipy import stats as sstats
 
 import spd_jax
-from spd_jax import api
+from spd_jax import api, methods
 from spd_jax.decode.sampling import choose, warp_logits
 from spd_jax.models import decoder
 
@@ -56,15 +56,15 @@ def test_eos_stops_and_is_kept(tiny):
 def test_shape_buckets_do_not_recompile(tiny):
     model, _ = tiny
     spd_jax.generate(model, [1, 2, 3, 4, 5], max_new_tokens=10)
-    n = api._compiled.compiles
+    n = methods.METHODS["ar"].compiled.compiles
     spd_jax.generate(model, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=20, temperature=0.0)
     spd_jax.generate(model, [9, 8], max_new_tokens=33)
-    assert api._compiled.compiles == n
+    assert methods.METHODS["ar"].compiled.compiles == n
     # Sampling values are data, not compile-time constants.
     spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=0.7, seed=1)
-    n = api._compiled.compiles
+    n = methods.METHODS["ar"].compiled.compiles
     spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=1.3, seed=5)
-    assert api._compiled.compiles == n
+    assert methods.METHODS["ar"].compiled.compiles == n
 
 
 def test_streaming_sees_every_token_in_order(tiny):

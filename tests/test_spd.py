@@ -11,9 +11,11 @@ import pytest
 from scipy import stats as sstats
 
 import spd_jax
+from spd_jax import methods
 from spd_jax.decode import pipelined
 from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
+from spd_jax.drafters import psm
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
 
 
@@ -185,7 +187,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
         return  # the wrong rule is the engine's, not the head's: rejected once is enough
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
-    monkeypatch.setattr(pipelined, "_compiled", CompileCache())
+    monkeypatch.setattr(methods.METHODS["spd"], "compiled", CompileCache())
     outside, p_bad = pvalue(_pair_counts(model, 200, **kw))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
@@ -256,8 +258,8 @@ def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_pat
         load_psm(tmp_path / "a", b.config, plan, b.params)
     # as the PSM shipped under a default model's name: its model gets it; other weights under that name
     # (an original checkout, not the embedded GGUF) are told none is theirs, as for another stage plan
-    shipped = lambda name, n: tmp_path / "a"  # noqa: E731
-    monkeypatch.setattr(pipelined, "shipped_psm", shipped)
+    shipped = lambda name, plan: tmp_path / "a"  # noqa: E731
+    monkeypatch.setattr(psm.KIND, "shipped", shipped)
     assert pipelined.psm_source(a, pipelined.plan_for(a, 2), None)[0] == tmp_path / "a"
     found, why = pipelined.psm_source(b, pipelined.plan_for(b, 2), None)
     assert found is None and f"target fingerprint {a.weights_fingerprint}, these {b.weights_fingerprint}" in why
@@ -273,7 +275,7 @@ def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_pat
 def test_the_shipped_drafters_record_the_default_models_weights(smollm2):
     """Each shipped PSM and EAGLE-3 drafter records the embedded model's weights fingerprint, so it loads
     on that model (float32 or bfloat16) and on no other of its shape."""
-    from spd_jax.drafters import eagle3, psm
+    from spd_jax.drafters import eagle3
     from spd_jax.drafters.store import TARGET_WEIGHTS
 
     bf16 = spd_jax.load_model("smollm2", dtype="bfloat16")

@@ -155,8 +155,10 @@ def chain_config(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, k: int,
 
 
 def generate_chain(model, prompt_ids: Sequence[int], max_new_tokens: int, drafter: ChainDrafter, dparams: Any,
-                   sp: SamplingParams = SamplingParams(), stop_at_eos: bool = True):
-    """Host side: pad, run and report. model: `spd_jax.api.Model` (whole layers loaded). -> (generated
+                   sp: SamplingParams = SamplingParams(), stop_at_eos: bool = True,
+                   compiled: CompileCache | None = None):
+    """Host side: pad, run and report (compiled: the caller's compile cache, default this module's).
+    model: `spd_jax.api.Model` (whole layers loaded). -> (generated
     token ids, stats). stats: tokens (N, the prefill's included), rounds (target passes after prefill),
     tokens_per_round = N / rounds (the chain's S0: tokens per target pass, prefill not counted, as SPD's
     alpha does not count it), accepted drafts, rejected rounds, timings."""
@@ -177,7 +179,7 @@ def generate_chain(model, prompt_ids: Sequence[int], max_new_tokens: int, drafte
             jnp.asarray(eos), sp.runtime())
     shapes = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), (model.params, dparams))
     events = cache_events()
-    exe, compile_s = _compiled.get((cc, drafter, eos.shape, str(shapes)),
+    exe, compile_s = (_compiled if compiled is None else compiled).get((cc, drafter, eos.shape, str(shapes)),
                                    lambda: decode.lower(*args, cc=cc, drafter=drafter))
     compile_from = compile_source(events, compile_s)
     t0 = time.perf_counter()

@@ -4,11 +4,8 @@ caches on the `stage` mesh, pick the drafter, compile once per shape bucket, run
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +16,18 @@ from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.decode.spd import EngineConfig, build
-from spd_jax.drafters.base import NoDrafter, OracleDrafter
-from spd_jax.models.costs import layer_costs
-from spd_jax.pipeline import stages
-from spd_jax.models import decoder, schema
 from spd_jax.distributed import to_host
-from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
+from spd_jax.drafters import registry
+from spd_jax.drafters.base import NoDrafter, OracleDrafter
+from spd_jax.drafters.kind import Form
+from spd_jax.drafters.psm import PSMConfig, PSMDrafter
+from spd_jax.models import decoder, schema
+from spd_jax.models.costs import layer_costs
+from spd_jax.pipeline import costs, stages
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.drafters.psm import PSMConfig, PSMDrafter, check_spec, init_psm, load_psm, read_spec, shipped_psm
-from spd_jax.drafters.store import TARGET_WEIGHTS
-
-log = logging.getLogger(__name__)
+from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
 
 _compiled = CompileCache()
-_random_psm_noted: list[bool] = []
-DRAFTERS = ("psm", "none", "oracle")  # generate(drafter=...): the PSM, the plain pipeline, the test oracle
 
 
 def check_drafter(drafter) -> None:
@@ -46,71 +40,24 @@ def check_drafter(drafter) -> None:
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
     """Uniform when n divides L and layers cost the same; else balanced on per-token decode bytes."""
-    costs = [c.bytes for c in layer_costs(model.config, context_len=1024)]
-    plan = plan_stages(model.config.num_layers, n, stage_layers, costs)  # first: counts that do not sum to L
+    layer_bytes = [c.bytes for c in layer_costs(model.config, context_len=1024)]
+    plan = plan_stages(model.config.num_layers, n, stage_layers, layer_bytes)  # first: counts that do not sum to L
     if plan.n != n:
         raise ValueError(f"{plan.n} stage layer counts {list(plan.counts)} for n={n} stages: give {n} counts, or "
                          f"set n to {plan.n} (--n {plan.n}, n={plan.n} in a training config)")
     return plan
 
 
-def psm_source(model, plan: StagePlan, spec):
-    """spec as `resolve_psm` takes it -> (what runs: a checkpoint path, None for a random PSM, or spec
-    itself when it is (PSMConfig, variables); why a random one). Loads nothing: `infer.evaluate` asks it
-    which checkpoint a row will use before running it."""
-    why = "an untrained PSM was asked for (spec=\"random\", --random-psm)"
-    if isinstance(spec, str) and spec == "random":
-        return None, why
-    if spec is None:  # the PSM shipped for a default model at this n, else a random one
-        from spd_jax.convert.defaults import canonical_name
-
-        spec = shipped_psm(canonical_name(model.path.name), plan.n)
-        why = "no PSM checkpoint given (--spec) and none ships for this model at this n"
-        if spec is not None and read_spec(spec).plan != plan.counts:
-            why = (f"the PSM shipped for this model at n={plan.n} was trained for the stage plan "
-                   f"{list(read_spec(spec).plan)}, not {list(plan.counts)}")
-            spec = None  # an explicit other plan gets a random PSM
-        elif spec is not None:
-            # A checkpoint under the default's name may hold other weights (an original HF checkout rather
-            # than the embedded GGUF): the shipped PSM is then not this model's, as for another plan.
-            want = json.loads((spec / "psm.json").read_text()).get(TARGET_WEIGHTS)
-            if want is not None and want != model.weights_fingerprint:
-                why = (f"the PSM shipped for this model's name at n={plan.n} was trained on other weights (target "
-                       f"fingerprint {want}, these {model.weights_fingerprint}: e.g. the embedded GGUF's against "
-                       "another checkpoint of the model)")
-                spec = None
-    return spec, why
+def psm_source(model, plan: StagePlan, spec) -> registry.Source:
+    """`registry.source` of the PSM: spec (a `DrafterRef` or its older forms) -> (what runs, why a random
+    one). Loads nothing."""
+    return registry.source(registry.PSM, model, spec, plan)
 
 
-def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> tuple[PSMConfig, dict, str]:
-    """spec: None (the PSM shipped for this default model and n if any, else a random one), "random" (a
-    random PSM, seed 0: the PSM is a model, not sampling randomness), a checkpoint path, or
-    (PSMConfig, variables).
-    -> (config, vars in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are),
-    label)."""
-    spec, why = psm_source(model, plan, spec)
-    if spec is None:
-        cfg = PSMConfig.for_target(model.config, plan.counts, num_layers=psm_layers)
-        if not _random_psm_noted:  # once per process, not once per call
-            _random_psm_noted.append(True)
-            log.warning(f"spd: {why}; using a randomly initialised PSM. Output is still exactly the target's, "
-                        "but few drafts will be accepted.")
-        key = ("random_psm", cfg)
-        if key not in model.runtime:
-            model.runtime[key] = init_psm(model.config, cfg, model.params, 0, model.dtype)
-        return cfg, model.runtime[key], "random"
-    if isinstance(spec, (str, Path)):
-        key = ("psm_checkpoint", str(Path(spec).absolute()), plan.counts)
-        if key not in model.runtime:
-            model.runtime[key] = load_psm(spec, model.config, plan.counts, model.params, model.dtype,
-                                          target_weights=model.weights_fingerprint, model_name=str(model.path))
-        cfg, variables = model.runtime[key]
-        return cfg, variables, str(spec)
-    cfg, variables = spec
-    check_spec(cfg, model.config, plan.counts, "(given)")
-    # the engine mixes the PSM's activations with the target's: one dtype, as a loaded PSM gets
-    cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
-    return cfg, jax.tree.map(cast, variables), "given"
+def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> registry.Resolved:
+    """`registry.resolve` of the PSM: spec -> (config, variables in the model's dtype, label); psm_layers:
+    Ls of a random one."""
+    return registry.resolve(registry.PSM, model, spec, plan, psm_layers, method="spd")
 
 
 PSM_PLACEMENTS = ("auto", "last", "own")  # or a stage index
@@ -127,8 +74,6 @@ def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int
     if placement == "own":
         return n
     if placement == "auto":
-        from spd_jax.pipeline import costs
-
         hw = costs.TPU_V5E_ICI if jax.default_backend() == "tpu" else costs.H200_NVLINK
         return costs.best_psm_device(model.config, plan, psm_cfg, hw, context=1024,
                                      param_bytes=jnp.dtype(model.dtype).itemsize)[0]
@@ -150,27 +95,68 @@ def place_psm(variables: dict, psm_cfg: PSMConfig, shared_on_mesh: dict, cfg, re
     return placed
 
 
+class EngineDraft(NamedTuple):
+    """The SPD engine's drafter for one call: the `SpdDrafter`, how its params go on the stage mesh
+    (place(prompt length, cache_len, stage layout, shared weights placed, replicated sharding)), and the
+    PSM's config and label (stats' "psm") when it is one."""
+
+    drafter: Any
+    place: Callable[..., Any]
+    spec: PSMConfig | None = None
+    label: str | None = None
+
+
+def _psm_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+    psm_cfg, variables, label = resolve_psm(model, plan, spec, psm_layers)
+
+    def place(prompt_len, cache_len, layout, shared, rep):
+        if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
+            return put(variables, rep)
+        key = ("psm_on_mesh", label, psm_cfg, layout)  # replicated once per (PSM, stage placement), not per call
+        if key not in model.runtime:
+            model.runtime[key] = place_psm(variables, psm_cfg, shared, model.config, rep)
+        return model.runtime[key]
+
+    return EngineDraft(PSMDrafter(model.config, psm_cfg), place, psm_cfg, label)
+
+
+def _oracle_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+    if oracle_tokens is None:
+        raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
+
+    def place(prompt_len, cache_len, layout, shared, rep):  # the reference token at every position of the cache
+        ref = np.zeros((cache_len,), np.int32)
+        toks = np.asarray(oracle_tokens, np.int32)[: cache_len - prompt_len]
+        ref[prompt_len:prompt_len + toks.size] = toks
+        return put(ref, rep)
+
+    return EngineDraft(OracleDrafter(k=1, vocab_size=model.config.vocab_size), place)
+
+
+def _no_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+    def place(prompt_len, cache_len, layout, shared, rep):
+        return put((), rep)
+
+    return EngineDraft(NoDrafter(model.config.vocab_size), place)
+
+
+# generate(drafter=...): the PSM, the plain pipeline, the test oracle
+DRAFTERS: dict[str, Callable[..., EngineDraft]] = {"psm": _psm_draft, "none": _no_draft, "oracle": _oracle_draft}
+
+
 def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
-                       n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str | None = None,
+                       n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str = "psm",
                        oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
-                       psm_placement="auto"):
+                       psm_placement="auto", compiled: CompileCache | None = None):
+    """One prompt through the n-stage pipeline with the engine drafter named `drafter` (`DRAFTERS`);
+    method names the run in the stats. compiled: the caller's compile cache (default this module's)."""
     cfg = model.config
     plan = plan_for(model, n, stage_layers)
-    drafter = drafter or ("none" if method == "pipeline" else "psm")
     check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
-    psm_cfg, psm_label, dparams = None, None, ()
-    if drafter == "psm":
-        psm_cfg, dparams, psm_label = resolve_psm(model, plan, spec, psm_layers)
-        engine_drafter = PSMDrafter(cfg, psm_cfg)
-    elif drafter == "oracle":
-        if oracle_tokens is None:
-            raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
-        engine_drafter = OracleDrafter(k=1, vocab_size=cfg.vocab_size)
-    else:
-        engine_drafter = NoDrafter(cfg.vocab_size)
-    psm_device = psm_device_for(model, plan, psm_cfg, psm_placement) if psm_cfg else plan.n - 1
+    draft = DRAFTERS[drafter](model, plan, spec, psm_layers, oracle_tokens)
+    psm_device = psm_device_for(model, plan, draft.spec, psm_placement) if draft.spec else plan.n - 1
     # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
-    layout = stages.StageLayout.of(cfg, plan, engine_drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
+    layout = stages.StageLayout.of(cfg, plan, draft.drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
     mesh = stage_mesh(layout.devices)
 
     P_ = int(prompt.size)
@@ -195,22 +181,10 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
                               put({k: v for k, v in model.params.items() if k != "layers"}, rep))
     stage_w, prog, shared = model.runtime[key]
     caches = put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
-    if drafter == "oracle":  # its params: the reference token at every position of the cache
-        ref = np.zeros((cache_len,), np.int32)
-        toks = np.asarray(oracle_tokens, np.int32)[: cache_len - P_]
-        ref[P_:P_ + toks.size] = toks
-        dparams = ref
     # one copy of the drafter's state per device (used on the drafter's device)
     dstate = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)),
-                              engine_drafter.init(dparams, cache_len, model.dtype)), st)
-    if drafter == "psm" and psm_label != "given":
-        # replicated once per (PSM, stage placement), not on every call
-        pkey = ("psm_on_mesh", psm_label, psm_cfg, layout)
-        if pkey not in model.runtime:
-            model.runtime[pkey] = place_psm(dparams, psm_cfg, shared, cfg, rep)
-        dparams = model.runtime[pkey]
-    else:
-        dparams = put(dparams, rep)
+                              draft.drafter.init((), cache_len, model.dtype)), st)
+    dparams = draft.place(P_, cache_len, layout, shared, rep)
 
     prompt_arr = np.zeros((1, p_pad), np.int32)
     prompt_arr[0, :P_] = prompt
@@ -222,10 +196,10 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
-    ec = EngineConfig(cfg, layout, engine_drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
+    ec = EngineConfig(cfg, layout, draft.drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
     events = cache_events()
-    exe, compile_s = _compiled.get(ckey, lambda: build(ec, mesh).lower(*args))
+    exe, compile_s = (_compiled if compiled is None else compiled).get(ckey, lambda: build(ec, mesh).lower(*args))
     compile_from = compile_source(events, compile_s)
 
     t0 = time.perf_counter()
@@ -239,14 +213,14 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     N, K = len(tokens), int(cycles)
     alpha = N / K if K else float("nan")
     stats = dict(
-        method=method, drafter=drafter, psm=psm_label, n=plan.n, stage_layers=list(plan.counts),
+        method=method, drafter=drafter, psm=draft.label, n=plan.n, stage_layers=list(plan.counts),
         tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
         S0=alpha * cfg.num_layers / plan.max_layers,
         accepted=int(accepted), rejected=int(rejected),
         wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(), devices=layout.devices, processes=jax.process_count(),
-        psm_device=psm_device if psm_cfg else None,
+        psm_device=psm_device if draft.spec else None,
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
                          "inter-stage transfers and all-reduces, the device-to-host copy of the result"
                          + (f" (over {jax.process_count()} processes: the transfers and all-reduces cross them, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +82,26 @@ def keep_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
     return jnp.min(jnp.where(drop, jnp.inf, asc), axis=-1, keepdims=True)
 
 
+def keep_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates: jax.Array | None = None) -> jax.Array:
+    """The one filter rule: logits [..., V] (temperature applied) -> bool [..., V], the tokens top-k then
+    top-p keep (transformers' order). candidates [..., C]: the logits the threshold is read from, any
+    set holding every token top-k keeps (-inf padded); default the logits themselves. The
+    vocabulary-parallel caller (`decode.vocab.warp`) passes each shard's best logits, gathered."""
+    return logits >= keep_threshold(logits if candidates is None else candidates, top_k, top_p)
+
+
 def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                filtered: bool) -> jax.Array:
+                filtered: bool, candidates: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """logits [..., V] -> warped logits [..., V] (float32, -inf outside the kept set).
 
-    Order as in transformers: temperature, then top-k, then top-p on what top-k kept.
+    Order as in transformers: temperature, then top-k, then top-p on what top-k kept (`keep_mask`).
+    candidates(tempered logits) -> the logits `keep_mask` reads its threshold from (default: all).
     """
     logits = logits.astype(jnp.float32) / temperature
     if not filtered:
         return logits
-    return jnp.where(logits >= keep_threshold(logits, top_k, top_p), logits, -jnp.inf)
+    return jnp.where(keep_mask(logits, top_k, top_p, None if candidates is None else candidates(logits)),
+                     logits, -jnp.inf)
 
 
 def token_key(seed: jax.Array, position: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spd_jax.decode.sampling import keep_threshold
+from spd_jax.decode.sampling import warp_logits
 
 _NO_ID = jnp.iinfo(jnp.int32).max
 # Independent random streams of one position, fold_in'd into its token key (`sampling.token_key`): the
@@ -99,17 +99,16 @@ def categorical(key: jax.Array, logits: jax.Array, token_ids: jax.Array, vocab_s
 
 def warp(logits: jax.Array, own: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
          filtered: bool, cap: int, axis: str | None) -> jax.Array:
-    """Temperature, then top-k, then top-p, as `sampling.warp_logits`, on a shard [rows] -> the warped
-    shard (float32, -inf outside the kept set and off the shard's own rows). The filter's threshold
-    comes from each shard's `cap` best logits gathered over the axis: exact when cap >= top_k (top-k
-    keeps only tokens among them, top-p only ever drops more); cap = rows (top-p without top-k) is the
-    one case that gathers the whole vocabulary."""
-    logits = jnp.where(own, logits.astype(jnp.float32) / temperature, -jnp.inf)
-    if not filtered:
-        return logits
-    best = jax.lax.top_k(logits, cap)[0]
-    cands = best if axis is None else jax.lax.all_gather(best, axis).reshape(-1)
-    return jnp.where(logits >= keep_threshold(cands, top_k, top_p)[0], logits, -jnp.inf)
+    """`sampling.warp_logits` (temperature, then `sampling.keep_mask`'s top-k and top-p) on a shard
+    [rows] -> the warped shard (float32, -inf outside the kept set and off the shard's own rows). The
+    filter's threshold comes from each shard's `cap` best logits gathered over the axis: exact when
+    cap >= top_k (top-k keeps only tokens among them, top-p only ever drops more); cap = rows (top-p
+    without top-k) is the one case that gathers the whole vocabulary."""
+    def candidates(tempered):  # [rows] -> [n * cap]: every shard's best
+        best = jax.lax.top_k(tempered, cap)[0]
+        return best if axis is None else jax.lax.all_gather(best, axis).reshape(-1)
+
+    return warp_logits(jnp.where(own, logits, -jnp.inf), temperature, top_k, top_p, filtered, candidates)
 
 
 def residual(p: jax.Array, q: jax.Array, axis: str | None) -> jax.Array:

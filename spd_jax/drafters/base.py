@@ -28,6 +28,8 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 
+from spd_jax.models import decoder
+
 # choose(logits [V] float32 over the target's vocabulary, i) -> (draft token int32, q): the loop's rule
 # for the draft at position pos + 1 + i (argmax when greedy; else a draw from the warped logits with the
 # position's draft key, and q [V] float32 the warped distribution; q has shape [0] when greedy).
@@ -112,8 +114,6 @@ def teacher_forward(target: dict, tokens: jax.Array, cfg) -> tuple[jax.Array, ja
     """The target teacher-forced on tokens [B, T] from position 0 -> (embedding [B, T, H], every layer's
     output [L, B, T, H], the last layer's output [B, T, H] before the final norm), in the dtype of
     target's weights: what a drafter's training reads its features and its teacher's logits from."""
-    from spd_jax.models import decoder  # the model's math; the interfaces above need none of it
-
     B, T = tokens.shape
     cache = decoder.init_cache(cfg, B, T, target["embed"].dtype)
     emb = decoder.embed(target, tokens)

@@ -23,28 +23,27 @@ This module holds the drafter's network, its loss and its checkpoints; the loop 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 from typing import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.base import features, join_params, teacher_forward
 from spd_jax.drafters.objective import distill_kl
-from spd_jax.drafters.psm import restore_drafter, target_head, target_signature
-from spd_jax.drafters.store import read_identity
+from spd_jax.drafters import store
+from spd_jax.drafters.kind import DrafterKind
+from spd_jax.drafters.shared import DraftHead, check_target, logical_axes, random_variables, target_signature
 from spd_jax.models import decoder, schema
+from spd_jax.models.costs import head_cost, kind_cost
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
 from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
 
 FORMAT = 1  # eagle3.json layout version
-KIND = "eagle3"
+KIND_NAME = "eagle3"
 # Trained drafters shipped with the package, one directory per default model: "<model>/".
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "eagle3s"
 
@@ -92,7 +91,7 @@ def layer_schema(cfg: ModelConfig) -> dict[str, schema.Leaf]:
     return s
 
 
-class Eagle3(nn.Module):
+class Eagle3(DraftHead, nn.Module):
     cfg: ModelConfig  # the target's
     spec: Eagle3Config
 
@@ -105,11 +104,7 @@ class Eagle3(nn.Module):
                       for k, leaf in layer_schema(self.cfg).items()}
         norm = schema.global_schema(self.cfg)["final_norm"]
         self.final_norm = self.param("final_norm", logical(schema.initializer(norm, self.cfg), norm.axes), norm.shape)
-        V = self.spec.draft_vocab or self.cfg.vocab_size
-        vocab_axis = "draft_vocab" if self.spec.draft_vocab else "vocab"
-        self.lm_head = self.param("lm_head", logical(nn.initializers.normal(0.02), (vocab_axis, "embed")), (V, H))
-        if self.spec.draft_vocab:  # [V'] token ids of the head's rows, sorted; not trained
-            self.vocab_ids = self.variable("vocab", "ids", lambda: jnp.arange(V, dtype=jnp.int32))
+        self.setup_head(logical)
 
     def fuse(self, feats: jax.Array) -> jax.Array:
         """feats [..., m*H] (the target's hidden states at `spec.layers`, concatenated) -> [..., H]."""
@@ -141,19 +136,9 @@ class Eagle3(nn.Module):
         """x [..., H] -> float32 logits [..., V'] over the head's rows."""
         return decoder.head_logits(x, self.final_norm, self.lm_head, self.cfg)
 
-    def token_ids(self) -> jax.Array:
-        """[V'] int32: the token id of each head row."""
-        if self.spec.draft_vocab:
-            return self.vocab_ids.value
-        return jnp.arange(self.cfg.vocab_size, dtype=jnp.int32)
-
     def logits(self, x: jax.Array) -> jax.Array:
         """x [..., H] -> float32 logits [..., V] over the target's vocabulary (-inf off a draft vocabulary)."""
-        lg = self.head_logits(x)
-        if not self.spec.draft_vocab:
-            return lg
-        full = jnp.full((*lg.shape[:-1], self.cfg.vocab_size), -jnp.inf, lg.dtype)
-        return full.at[..., self.vocab_ids.value].set(lg)
+        return self.expand(self.head_logits(x))
 
     def train_logits(self, feats: jax.Array, emb: jax.Array, steps: int) -> jax.Array:
         """The training-time test: feats [B, T, m*H] teacher-forced target features, emb [B, T, H] the
@@ -263,28 +248,18 @@ def _init_boxed(cfg: ModelConfig, spec: Eagle3Config, seed) -> dict:
                                   method=Eagle3.create)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_random(cfg: ModelConfig, spec: Eagle3Config, seed) -> dict:
-    return nn.unbox(_init_boxed(cfg, spec, seed))
-
-
 def init_eagle3(cfg: ModelConfig, spec: Eagle3Config, target_params: dict, seed: int = 0, dtype=jnp.float32,
                 vocab_ids=None) -> dict:
     """Random drafter weights (seeded); the LM head and final norm copied from the target's (the head's
     rows at vocab_ids [V'] with a draft vocabulary, which then needs them)."""
-    variables = _init_random(cfg, spec, seed)
-    params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
-    out = {"params": params, **target_head(cfg, spec, target_params, vocab_ids, dtype, "an EAGLE-3 drafter")}
-    params["lm_head"] = out.pop("lm_head")
-    params["final_norm"] = jnp.array(target_params["final_norm"], dtype, copy=True)  # trained: not aliased
+    out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "an EAGLE-3 drafter")
+    out["params"]["final_norm"] = jnp.array(target_params["final_norm"], dtype, copy=True)  # trained: not aliased
     return out
 
 
 def eagle3_axes(cfg: ModelConfig, spec: Eagle3Config) -> dict:
     """The variables pytree with each leaf's logical axes in place of the array."""
-    boxed = jax.eval_shape(lambda: _init_boxed(cfg, spec, 0))
-    return jax.tree.map(lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else (None,) * len(x.shape),
-                        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    return logical_axes(_init_boxed, cfg, spec)
 
 
 # ---------------------------------------------------------------- training
@@ -338,11 +313,11 @@ class Eagle3CheckpointError(ValueError):
 
 
 def spec_to_json(spec: Eagle3Config) -> dict:
-    return dict(format=FORMAT, kind=KIND, **dataclasses.asdict(spec))
+    return dict(format=FORMAT, kind=KIND_NAME, **dataclasses.asdict(spec))
 
 
 def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
-    if d.get("kind") != KIND:
+    if d.get("kind") != KIND_NAME:
         raise Eagle3CheckpointError(f"checkpoint {where} is not an EAGLE-3 drafter (kind {d.get('kind')!r})")
     if d.get("format") != FORMAT:
         raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} has format {d.get('format')!r}, this version reads "
@@ -350,31 +325,9 @@ def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
     return Eagle3Config(tuple(d["layers"]), tuple(d["target"]), int(d.get("draft_vocab", 0)))
 
 
-def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None,
-                target_weights: str | None = None) -> None:
-    """Write variables (orbax) and the spec (`eagle3.json`, plus `extra` facts such as training
-    provenance; "head": "shared" when variables lack the LM head) to a new directory `path`.
-    target_weights: the target's `store.target_weights` fingerprint (also accepted in extra), recorded so
-    that `load_eagle3` refuses the drafter for another model of the same architecture."""
-    from spd_jax.drafters.store import save_drafter
-
-    save_drafter(path, variables, "eagle3.json", dict(spec_to_json(spec), **(extra or {})), "drafter",
-                 target_weights)
-
-
-def read_spec(path: str | Path) -> Eagle3Config:
-    path = Path(path).absolute()
-    return read_identity(path, "eagle3.json", spec_from_json, Eagle3CheckpointError,
-                         f"{path} is not an EAGLE-3 checkpoint (no eagle3.json)")
-
-
 def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:
     """Refuse a drafter made for another target model (or, when given, other feature layers)."""
-    want = target_signature(cfg)
-    if spec.target != want:
-        names = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
-        diff = [f"{k}: checkpoint {a} vs model {b}" for k, a, b in zip(names, spec.target, want) if a != b]
-        raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} was trained for another model ({'; '.join(diff)})")
+    check_target(spec.target, cfg, Eagle3CheckpointError, "EAGLE-3", where)
     if max(spec.layers) > cfg.num_layers:
         raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} reads hidden state {max(spec.layers)}; the model "
                                     f"has {cfg.num_layers} layers")
@@ -383,23 +336,45 @@ def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Se
                                     f"{list(layers)}")
 
 
+def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int = 2) -> list:
+    """One draft step: the drafter's decoder layer on one row (the target's attention layer, q/k/v and
+    the gate reading [2H]), then its head (V' rows)."""
+    H = cfg.hidden_size
+    wide = layer_schema(cfg)
+    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
+    extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
+    c = kind_cost(cfg, ATTENTION, context, param_bytes, param_bytes, 1)
+    layer = dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm,
+                                weight_bytes=c.weight_bytes + extra * param_bytes)
+    return [layer, head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)]
+
+
+KIND = DrafterKind(
+    name=KIND_NAME, label="EAGLE-3", a_label="an EAGLE-3", noun="EAGLE-3 drafter", identity_file="eagle3.json",
+    config=Eagle3Config, error=Eagle3CheckpointError, shipped_dir=SHIPPED_DIR, to_json=spec_to_json,
+    from_json=spec_from_json, init=init_eagle3,
+    check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, where, expect),
+    random_config=lambda cfg, plan=None, num_layers=None: Eagle3Config.for_target(cfg),
+    shipped=lambda model_name, plan=None: shipped_eagle3(model_name), misfit=lambda spec, plan: None, cost=_cost,
+    flag="--drafter", train_fix="train an EAGLE-3 drafter for {model} (python -m train.main with method: eagle3, model: {model}) "
+              "or use one trained for it",
+    why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)")
+
+
+def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None,
+                target_weights: str | None = None) -> None:
+    """`store.save` of an EAGLE-3 drafter: variables (orbax) and eagle3.json (the spec, extra facts, the
+    target's weights fingerprint)."""
+    store.save(KIND, path, variables, spec, extra, target_weights)
+
+
+def read_spec(path: str | Path) -> Eagle3Config:
+    return store.read_spec(KIND, path)
+
+
 def load_eagle3(path: str | Path, cfg: ModelConfig, target_params: dict, dtype=jnp.float32,
                 layers: Sequence[int] | None = None, target_weights: str | None = None,
                 model_name: str | None = None) -> tuple[Eagle3Config, dict]:
-    """Load a drafter saved by `save_eagle3`, refusing one trained for another target (another
-    architecture, or other weights: eagle3.json's target_weights against target_weights, the target's
-    `store.target_weights`, computed from target_params when not given; model_name names the target in
-    that error) or other layers. One saved without its LM head ("head": "shared") gets the target's."""
-    from spd_jax.drafters.store import check_target_weights
-    from spd_jax.drafters.store import target_weights as fingerprint
-
-    path = Path(path).absolute()
-    spec = read_spec(path)
-    check_spec(spec, cfg, str(path), layers)
-    model = model_name or "this model"
-    check_target_weights(json.loads((path / "eagle3.json").read_text()), target_weights or fingerprint(target_params),
-                         str(path), model, "EAGLE-3", f"train an EAGLE-3 drafter for {model} (python -m train.main "
-                         f"with method: eagle3, model: {model}) or use one trained for it",
-                         Eagle3CheckpointError)
-    init = lambda zeros: init_eagle3(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))  # noqa: E731
-    return spec, restore_drafter(path, "eagle3.json", init, spec, cfg, target_params, dtype)
+    """`store.load` of an EAGLE-3 drafter (refusing, when given, other feature layers)."""
+    return store.load(KIND, path, cfg, target_params, dtype, expect=layers, weights=target_weights,
+                      model_name=model_name)

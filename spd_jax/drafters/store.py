@@ -1,13 +1,37 @@
-"""A drafter checkpoint: its variables (orbax) and its identity (JSON) in a new directory, written once
-per job (every process takes part in the orbax save; process 0 alone writes the JSON), and read back
-onto this process's first device. Also the two fingerprints that tie a drafter to what it belongs to:
-`target_weights` (the target model's weights, recorded in the JSON, checked on load) and `content_id`
-(the checkpoint's own content, recorded in `infer.evaluate`'s rows)."""
+"""All drafter checkpoint I/O. A drafter checkpoint: its variables (orbax) and its identity (JSON, the
+kind's `identity_file`) in a new directory, written once per job (every process takes part in the orbax
+save; process 0 alone writes the JSON), and read back onto this process's first device (`save`,
+`read_spec`, `load`, each given the drafter's `DrafterKind`). Also the two fingerprints that tie a
+drafter to what it belongs to: `target_weights` (the target model's weights, recorded in the JSON,
+checked on load) and `content_id` (the checkpoint's own content, recorded in `infer.evaluate`'s rows).
+Nothing here knows a drafter's layout: the kind says it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import sys
 from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spd_jax import distributed
+from spd_jax.config import ModelConfig, read_json
+from spd_jax.drafters.kind import IDENTITY_FILES, DrafterKind
+from spd_jax.drafters.shared import check_vocab_ids
+from spd_jax.models import decoder
+
+
+def _orbax():
+    """orbax.checkpoint, imported on first use rather than at the top: it costs about a second, and most
+    runs (ar, tp, a random drafter, every `import spd_jax`) never read or write a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, what: str,
@@ -15,13 +39,10 @@ def save_drafter(path: str | Path, variables: dict, meta_name: str, meta: dict, 
     """variables -> path/params (orbax), meta (plus TARGET_WEIGHTS: target_weights when given, over one in
     meta) -> path/meta_name. path must not exist (never overwrite a checkpoint); what names the drafter in
     that error."""
-    import orbax.checkpoint as ocp
-
-    from spd_jax import distributed
-
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"{path} exists; save the {what} to a new directory")
+    ocp = _orbax()
     distributed.barrier(f"save {what}")  # in a multi-process job: every process checked before any writes
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", variables)
@@ -38,8 +59,6 @@ def quiet_abandoned_reads() -> None:
     """Before an orbax restore: if it fails, the reads it left in flight report "Event loop is closed" once
     its event loop has gone (an unraisable exception, printed as a traceback beside the real error, and
     possibly before the caller catches it); this process drops that one report from then on."""
-    import sys
-
     global _QUIET
     if not _QUIET:
         _QUIET, default = True, sys.unraisablehook
@@ -65,8 +84,6 @@ def read_identity(path: Path, meta_name: str, parse, error: type[Exception], mis
     """A drafter directory's identity file (meta_name) -> parse(its JSON, str(path)). Absent:
     FileNotFoundError(missing); not JSON: ConfigError; a key missing or of another type: error(...), each
     naming the file and how to restore it."""
-    from spd_jax.config import read_json
-
     meta = path / meta_name
     if not meta.is_file():
         raise FileNotFoundError(missing)
@@ -84,12 +101,10 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
     whatever mesh the trainer saved from (an 8x1 data-parallel run restores on a laptop); the engines place
     them from there. Weights that are missing, cut short or of other shapes than the identity file says
     raise ValueError naming the directory (orbax's own errors name neither it nor a fix)."""
-    import jax
-    import orbax.checkpoint as ocp
-
     params = Path(path) / "params"
     if not params.is_dir():
         raise FileNotFoundError(f"{path} has an identity file but no params/ (its weights): {DAMAGED}")
+    ocp = _orbax()
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), abstract)
     quiet_abandoned_reads()
@@ -107,7 +122,7 @@ def restore_variables(path: str | Path, abstract: dict) -> dict:
 # for (`target_weights`). The architecture signature ("target") alone lets a drafter for one model load on
 # another of the same shape (its base model, a fine-tune); this refuses those.
 TARGET_WEIGHTS = "target_weights"
-META_NAMES = ("psm.json", "eagle3.json")  # a drafter directory's identity file, one of these
+META_NAMES = IDENTITY_FILES  # a drafter directory's identity file, one of these (psm.json, eagle3.json)
 
 
 def target_weights(params: dict) -> str:
@@ -116,13 +131,7 @@ def target_weights(params: dict) -> str:
     checkpoint agree (a bfloat16 load rounds as this cast does); two models of one architecture differ
     unless their embeddings are equal to bfloat16 precision. Reads the table to the host once (V * H * 2
     bytes); `Model.weights_fingerprint` keeps the result."""
-    import hashlib
-
-    import jax.numpy as jnp
-
-    from spd_jax.distributed import to_host
-
-    table = to_host(jnp.asarray(params["embed"]).astype(jnp.bfloat16))  # [V, H]
+    table = distributed.to_host(jnp.asarray(params["embed"]).astype(jnp.bfloat16))  # [V, H]
     return hashlib.sha256(table.tobytes(order="C")).hexdigest()[:16]
 
 
@@ -130,8 +139,6 @@ def check_target_weights(meta: dict, have: str, where: str, model: str, what: st
     """Refuse a drafter whose json (meta) records target weights other than `have` (this model's
     `target_weights`), raising error(...) with both fingerprints, the model and fix (how to get a drafter
     for it). A drafter saved before the field existed loads with a warning: it is not checked."""
-    import logging
-
     want = meta.get(TARGET_WEIGHTS)
     if want is None:
         logging.getLogger(__name__).warning(
@@ -151,8 +158,6 @@ def content_id(path: str | Path) -> str:
     params/ (relative path and bytes, in path order). Another drafter written to the same path (a PSM
     shipped over an older one) gets another id; CARD.md, curves and lineage.json beside them do not count.
     Reads the whole checkpoint (tens of MB for the shipped drafters)."""
-    import hashlib
-
     path = Path(path)
     meta = next((path / m for m in META_NAMES if (path / m).is_file()), None)
     if meta is None:
@@ -166,3 +171,67 @@ def content_id(path: str | Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- a kind's checkpoints
+
+
+def save(kind: DrafterKind, path: str | Path, variables: dict, spec: Any, extra: dict | None = None,
+         target_weights: str | None = None) -> None:
+    """Write variables (orbax) and the spec (the kind's identity file, plus `extra` facts such as training
+    provenance; "head": "shared" when variables lack the LM head) to a new directory `path`.
+    target_weights: the target's `target_weights` fingerprint (also accepted in extra), recorded so that
+    `load` refuses the drafter for another model of the same architecture; without it the drafter loads
+    anywhere its architecture fits, with a warning."""
+    save_drafter(path, variables, kind.identity_file, dict(kind.to_json(spec), **(extra or {})), kind.noun,
+                 target_weights)
+
+
+def read_spec(kind: DrafterKind, path: str | Path) -> Any:
+    """A checkpoint directory -> the kind's config, from its identity file."""
+    path = Path(path).absolute()
+    return read_identity(path, kind.identity_file, kind.from_json, kind.error,
+                         f"{path} is not {kind.a_label} checkpoint (no {kind.identity_file}){kind.missing_hint}")
+
+
+def load(kind: DrafterKind, path: str | Path, cfg: ModelConfig, target_params: dict, dtype=jnp.float32, *,
+         plan: Sequence[int] | None = None, expect: Sequence[int] | None = None, weights: str | None = None,
+         model_name: str | None = None) -> tuple[Any, dict]:
+    """Load a drafter saved by `save` -> (config, variables, floats in dtype), refusing one trained for
+    another target (another architecture, or other weights: the identity's target_weights against
+    weights, the target's `target_weights` fingerprint, computed from target_params when not given;
+    model_name names the target in that error), another stage plan or other anchors / feature layers
+    (expect), as the kind's `check` says. One saved without its LM head ("head": "shared") gets the
+    target's (its draft vocabulary's rows of it), frozen in training."""
+    path = Path(path).absolute()
+    spec = read_spec(kind, path)
+    kind.check(spec, cfg, str(path), plan, expect)
+    model = model_name or "this model"
+    check_target_weights(json.loads((path / kind.identity_file).read_text()),
+                         weights or target_weights(target_params), str(path), model, kind.label,
+                         kind.train_fix.format(model=model), kind.error)
+    return spec, restore(kind, path, spec, cfg, target_params, dtype)
+
+
+def restore(kind: DrafterKind, path: Path, spec: Any, cfg: ModelConfig, target_params: dict, dtype: Any) -> dict:
+    """A saved drafter's variables, floats cast to dtype, token ids left integers. The kind's init is only
+    traced for the shapes (the target's zeros inside the trace: nothing vocabulary-sized is allocated)."""
+    shared = json.loads((path / kind.identity_file).read_text()).get("head") == "shared"
+
+    def shapes():
+        zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
+        if not cfg.tie_word_embeddings:
+            zeros["lm_head"] = zeros["embed"]
+        return kind.init(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))
+
+    abstract = jax.eval_shape(shapes)
+    if shared:
+        del abstract["params"]["lm_head"]
+    variables = restore_variables(path, abstract)
+    if spec.draft_vocab:
+        check_vocab_ids(variables["vocab"]["ids"], spec, cfg)
+    if shared:
+        head = decoder.lm_head(target_params, cfg)
+        variables["params"]["lm_head"] = head[variables["vocab"]["ids"]] if spec.draft_vocab else head
+    return jax.tree.map(lambda t: jnp.asarray(t, dtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype),
+                        variables)

@@ -1,0 +1,105 @@
+"""What a drafter with a network is to the rest of the library (`DrafterKind`), and which weights of it
+a call runs (`DrafterRef`). Each drafter's own module defines its kind; `drafters.registry` lists them
+and resolves references; `drafters.store` reads and writes their checkpoints through the kind. Nothing
+here imports JAX or a drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any, Callable
+
+
+# Every kind's identity file, in the order the kinds were made: what marks a directory as a drafter
+# checkpoint (`store.content_id`), so a new kind needs no change there.
+IDENTITY_FILES: list[str] = []
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class DrafterKind:
+    """One drafter with a network (the PSM, EAGLE-3): everything the registry, the store and the
+    methods ask of it. Identity by object (a kind is a singleton in its module)."""
+
+    name: str  # the registry key, as training's `method:` names it
+    label: str  # how messages name it: "PSM", "EAGLE-3"
+    a_label: str  # with its article: "a PSM", "an EAGLE-3"
+    noun: str  # what a random one is called in notices and save errors: "PSM", "EAGLE-3 drafter"
+    identity_file: str  # the JSON beside its weights: "psm.json"
+    config: type  # its frozen config dataclass (hashable: a static argument)
+    error: type[ValueError]  # raised for a checkpoint that does not belong to the target
+    shipped_dir: Path  # where trained ones ship inside the package
+    to_json: Callable[[Any], dict]  # config -> identity file content (format and kind included)
+    from_json: Callable[[dict, str], Any]  # (identity, where) -> config, refusing another format
+    # (cfg, config, target_params, seed=0, dtype=float32, vocab_ids=None) -> variables, the head the target's
+    init: Callable[..., dict]
+    # (config, cfg, where, plan=None, expect=None) -> None: refuse a config for another target / plan /
+    # anchors or feature layers (expect)
+    check: Callable[..., None]
+    random_config: Callable[..., Any]  # (cfg, plan, num_layers) -> the config of a random one for this target
+    shipped: Callable[[str | None, Any], Path | None]  # (default model name, plan) -> a shipped checkpoint
+    misfit: Callable[[Any, Any], str | None]  # (config, plan) -> why a shipped config does not fit, or None
+    # (cfg, config, context, param_bytes) -> [LayerCost] of one draft (`spd_jax.models.costs`)
+    cost: Callable[..., list]
+    flag: str  # the CLI flag (infer.generate) that names a checkpoint of it
+    train_fix: str  # how to get one for a model ({model}): the fix a refusal names
+    missing_hint: str = ""  # appended when a directory has no identity file
+    why_random: str = "an untrained one was asked for"  # a random one on request, in the notice
+
+    def __post_init__(self):
+        if self.identity_file not in IDENTITY_FILES:
+            IDENTITY_FILES.append(self.identity_file)
+
+    def __repr__(self) -> str:
+        return f"DrafterKind({self.name!r})"
+
+
+class Form(enum.Enum):
+    TRAINED = "trained"  # a checkpoint directory
+    SHIPPED = "shipped"  # the one shipped for this default model (and plan), else a random one
+    RANDOM = "random"  # untrained, seed 0 (the drafter is a model, not sampling randomness)
+    GIVEN = "given"  # (config, variables) in memory
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterRef:
+    """Which weights of a drafter to run. Build with `trained(path)`, `shipped()`, `random()`,
+    `given(config, variables)`, or `of(value)` from the API's older argument forms."""
+
+    form: Form
+    path: str | Path | None = None
+    config: Any = None
+    variables: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def trained(cls, path: str | Path) -> "DrafterRef":
+        return cls(Form.TRAINED, path)  # as given: its label (str(path)) is what stats record
+
+    @classmethod
+    def shipped(cls) -> "DrafterRef":
+        return cls(Form.SHIPPED)
+
+    @classmethod
+    def random(cls) -> "DrafterRef":
+        return cls(Form.RANDOM)
+
+    @classmethod
+    def given(cls, config: Any, variables: Any) -> "DrafterRef":
+        return cls(Form.GIVEN, config=config, variables=variables)
+
+    @classmethod
+    def of(cls, value: Any) -> "DrafterRef":
+        """A `DrafterRef` as it is; None -> shipped; "random" -> random; a path -> trained; a
+        (config, variables) pair -> given."""
+        if isinstance(value, DrafterRef):
+            return value
+        if value is None:
+            return cls.shipped()
+        if isinstance(value, str) and value == Form.RANDOM.value:
+            return cls.random()
+        if isinstance(value, (str, Path)):
+            return cls.trained(value)
+        if isinstance(value, tuple) and len(value) == 2:
+            return cls.given(*value)
+        raise TypeError(f"a drafter is a checkpoint path, None (the shipped one), \"random\" or (config, variables); "
+                        f"got {type(value).__name__}")

@@ -1,0 +1,68 @@
+"""The PSM as the SPD engine's drafter (`drafters.base.SpdDrafter`): what `decode.spd` runs each cycle.
+It holds no weights (they are params passed in) and knows nothing of checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from spd_jax.config import ModelConfig
+from spd_jax.drafters.psm.model import PSM, PSMConfig
+from spd_jax.models.attention import init_kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PSMDrafter:
+    """The PSM as the SPD engine's drafter (`drafters.base.SpdDrafter`): its state is its KV cache of
+    completed rows; each cycle it recomputes the block of rows from the first uncached position to the
+    newest token (completed rows of the deepest type, in-flight rows typed by their depth) on the
+    drafter's device, and its head runs on every device's shard. params: `init_psm` / `load_psm`'s
+    variables."""
+
+    cfg: ModelConfig  # the target's
+    spec: PSMConfig
+    k: int = 1
+
+    @property
+    def anchors(self) -> tuple[int, ...]:
+        return self.spec.anchors
+
+    @property
+    def plan(self) -> tuple[int, ...]:
+        return self.spec.plan
+
+    @property
+    def module(self) -> PSM:
+        return PSM(self.cfg, self.spec)
+
+    def init(self, params, cache_len: int, dtype):
+        return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
+
+    def spd_prefill(self, params, state, anchor_states, ops):
+        def prefill(cache):  # the rows meet the (per-device) cache inside the layer scan: cast them first
+            return self.module.apply(params, ops.vary(jnp.moveaxis(anchor_states, 0, 1)), cache,
+                                     method=PSM.prefill)
+
+        return ops.on_device(prefill, lambda cache: cache, state)
+
+    def spd_draft(self, params, state, cycle, ops):
+        n, S, W = self.spec.n, cycle.seq.shape[0], cycle.table.shape[0]
+        pos = cycle.cached + jnp.arange(n + 1)  # cached <= completed <= t <= cached + n
+
+        def body(cache):
+            h = cycle.table[pos % W].at[:, 0].set(ops.embed(cycle.seq[jnp.clip(pos, 0, S - 1)]))  # [n + 1, m, H]
+            return self.module.apply(params, ops.vary(h), cache, cycle.cached, cycle.t, cycle.completed,
+                                     method=PSM.draft_hidden)
+
+        x, state = ops.on_device(body, lambda cache: (ops.vary(jnp.zeros((self.cfg.hidden_size,), cycle.table.dtype)),
+                                                       cache), state)
+        h = ops.broadcast(x)  # [H], the drafter device's
+
+        def head(start, rows):
+            return self.module.apply(params, h, ops.final_norm, start, rows, method=PSM.head_logits)
+
+        ids = self.module.apply(params, method=PSM.token_ids) if self.spec.draft_vocab else None
+        draft, q = ops.choose(head, ids, cycle.t + 1)
+        return draft, q, state
+

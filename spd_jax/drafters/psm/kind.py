@@ -1,0 +1,139 @@
+"""The PSM's entry in the drafter registry (`KIND`): its random init from the target, its identity file
+(psm.json: format, config and the target it was trained for), the checks a loaded one must pass (target,
+pipeline depth, stage plan, anchors), where trained ones ship and what one draft costs. Reading and
+writing its checkpoints is `drafters.store`'s; `save_psm`, `read_spec` and `load_psm` name the kind."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.drafters import store
+from spd_jax.drafters.kind import DrafterKind
+from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema
+from spd_jax.drafters.shared import check_target, logical_axes, random_variables
+from spd_jax.models.attention import init_kv_cache
+from spd_jax.models.costs import psm_costs
+
+FORMAT = 2  # psm.json layout version
+# Trained PSMs shipped with the package, one directory per (default model, n): "<model>-n<n>".
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "psms"
+
+
+def shipped_psm(model_name: str | None, n: int) -> Path | None:
+    """The trained PSM shipped for a known default model at n stages, if there is one."""
+    p = SHIPPED_DIR / f"{model_name}-n{n}"
+    return p if model_name and (p / "psm.json").is_file() else None
+
+
+def _init_boxed(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
+    """PSM variables with their logical axes (Flax `LogicallyPartitioned` boxes)."""
+    H, T = cfg.hidden_size, 2
+    cache = init_kv_cache(cfg, spec.num_layers, 1, T, jnp.float32)
+    return PSM(cfg, spec).init(jax.random.key(seed), jnp.zeros((T, spec.m, H)), jnp.zeros((T,), jnp.int32), cache,
+                               jnp.int32(0), jnp.ones((H,), jnp.float32))
+
+
+def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32,
+             layers_from_target: bool = False, vocab_ids=None) -> dict:
+    """PSM weights: random layers and projections, the LM head copied from the target's (its rows at
+    vocab_ids [V'] with a draft vocabulary, which then needs them: `train.loop.draft_vocab_ids`). With
+    layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
+    out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PSM")
+    if layers_from_target:
+        attn = target_params["layers"].get(ATTENTION)
+        have = 0 if attn is None else attn["wq"].shape[0]
+        if have < spec.num_layers:
+            raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
+                             f"{have} full-attention layers to copy")
+        for k in _layer_schema(cfg):
+            # a copy: training donates the PSM's buffers, which must not alias the frozen target's
+            out["params"][f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
+    return out
+
+
+def psm_axes(cfg: ModelConfig, spec: PSMConfig) -> dict:
+    """The PSM's variables pytree with each leaf's logical axes (a tuple) in place of the array."""
+    return logical_axes(_init_boxed, cfg, spec)
+
+
+class PSMCheckpointError(ValueError):
+    """A PSM checkpoint that does not belong to this target model (architecture or weights), pipeline
+    depth or stage plan."""
+
+
+def spec_to_json(spec: PSMConfig) -> dict:
+    return dict(format=FORMAT, **dataclasses.asdict(spec))
+
+
+def spec_from_json(d: dict, where: str = "") -> PSMConfig:
+    if d.get("format") != FORMAT:
+        raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
+                                 f"format {FORMAT}; retrain it with train.main")
+    return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]),
+                     int(d.get("draft_vocab", 0)))
+
+
+def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",
+               anchors: Sequence[int] | None = None) -> None:
+    """Refuse a PSM made for another target model, n, stage plan or anchors, naming the mismatch."""
+    check_target(spec.target, cfg, PSMCheckpointError, "PSM", where)
+    plan = tuple(int(c) for c in stage_counts)
+    if spec.n != len(plan):
+        raise PSMCheckpointError(f"PSM checkpoint {where} was trained for n={spec.n} pipeline stages, not "
+                                 f"n={len(plan)}; run with --n {spec.n} or train a PSM for n={len(plan)}")
+    if spec.plan != plan:
+        raise PSMCheckpointError(f"PSM checkpoint {where} was trained for the stage plan {list(spec.plan)} "
+                                 f"(layers per stage), not {list(plan)}: its depth staircase depends on it; "
+                                 f"run with --stages {','.join(map(str, spec.plan))}")
+    if anchors is not None and tuple(anchors) != spec.anchors:
+        raise PSMCheckpointError(f"PSM checkpoint {where} reads anchors {list(spec.anchors)}, not "
+                                 f"{list(anchors)}")
+
+
+def _misfit(spec: PSMConfig, plan) -> str | None:
+    """Why the PSM shipped for this model at plan.n does not fit plan, or None."""
+    if spec.plan == plan.counts:
+        return None
+    return (f"the PSM shipped for this model at n={plan.n} was trained for the stage plan {list(spec.plan)}, "
+            f"not {list(plan.counts)}")
+
+
+def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2) -> list:
+    """One draft: the projections and Ls layers over the block of n + 1 rows, and the head."""
+    return psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1, context, param_bytes)
+
+
+KIND = DrafterKind(
+    name="psm", label="PSM", a_label="a PSM", noun="PSM", identity_file="psm.json", config=PSMConfig,
+    error=PSMCheckpointError, shipped_dir=SHIPPED_DIR, to_json=spec_to_json, from_json=spec_from_json,
+    init=init_psm,
+    check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, plan, where, expect),
+    random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
+    shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
+    flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
+    missing_hint="; train one with train.main",
+    why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
+
+
+def save_psm(path: str | Path, variables: dict, spec: PSMConfig, extra: dict | None = None,
+             target_weights: str | None = None) -> None:
+    """`store.save` of a PSM: variables (orbax) and psm.json (the spec, extra facts, target_weights)."""
+    store.save(KIND, path, variables, spec, extra, target_weights)
+
+
+def read_spec(path: str | Path) -> PSMConfig:
+    return store.read_spec(KIND, path)
+
+
+def load_psm(path: str | Path, cfg: ModelConfig, stage_counts: Sequence[int], target_params: dict,
+             dtype=jnp.float32, anchors: Sequence[int] | None = None, target_weights: str | None = None,
+             model_name: str | None = None) -> tuple[PSMConfig, dict]:
+    """`store.load` of a PSM for the stage plan stage_counts (and, when given, these anchors)."""
+    return store.load(KIND, path, cfg, target_params, dtype, plan=stage_counts, expect=anchors,
+                      weights=target_weights, model_name=model_name)

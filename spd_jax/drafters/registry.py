@@ -1,0 +1,116 @@
+"""The drafters with a network, by name (`KINDS`: the PSM and EAGLE-3), and how a call's `DrafterRef`
+becomes weights to run (`source`, `resolve`), the same way for every kind. Adding a drafter: its own
+module defines a `DrafterKind`; list it here."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from spd_jax.convert.defaults import canonical_name
+from spd_jax.drafters import eagle3, psm, store
+from spd_jax.drafters.kind import DrafterKind, DrafterRef, Form
+
+log = logging.getLogger(__name__)
+
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (psm.KIND, eagle3.KIND)}
+PSM, EAGLE3 = psm.KIND, eagle3.KIND
+
+_random_noted: set[str] = set()  # kinds whose random-drafter notice this process has given
+
+
+def kind(name: str) -> DrafterKind:
+    """The drafter kind of a name, or a ValueError listing them."""
+    if name not in KINDS:
+        raise ValueError(f"unknown drafter {name!r}: one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def of_checkpoint(path: str | Path) -> DrafterKind:
+    """The kind whose identity file a checkpoint directory holds."""
+    for k in KINDS.values():
+        if (Path(path) / k.identity_file).is_file():
+            return k
+    raise FileNotFoundError(f"{path} is not a drafter checkpoint (no {' or '.join(store.META_NAMES)})")
+
+
+class Source(NamedTuple):
+    """What a reference runs, found without loading weights: a checkpoint path (trained or shipped), the
+    given reference (in memory), or None (a random drafter), and why a random one."""
+
+    found: Any
+    why: str
+
+
+def source(k: DrafterKind, model, ref: Any, plan=None) -> Source:
+    """ref (a `DrafterRef`, or a form `DrafterRef.of` takes) -> its `Source` for model (and the stage plan,
+    for a drafter tied to one). Shipped: the one shipped for model's default name (and plan.n), unless
+    none ships, it was trained for another plan, or for other weights under that name (an original HF
+    checkout rather than the embedded GGUF): then a random one. Loads nothing (`infer.evaluate` asks
+    which checkpoint a row will use before running it)."""
+    ref = DrafterRef.of(ref)
+    if ref.form is Form.RANDOM:
+        return Source(None, k.why_random)
+    if ref.form is Form.TRAINED:
+        return Source(ref.path, "")
+    if ref.form is Form.GIVEN:
+        return Source(ref, "")
+    found = k.shipped(canonical_name(model.path.name), plan)
+    if found is None:
+        return Source(None, f"no {k.label} checkpoint given ({k.flag}) and none ships for this model"
+                      + (" at this n" if plan is not None else ""))
+    misfit = k.misfit(store.read_spec(k, found), plan)
+    if misfit is not None:
+        return Source(None, misfit)
+    want = json.loads((found / k.identity_file).read_text()).get(store.TARGET_WEIGHTS)
+    if want is not None and want != model.weights_fingerprint:
+        return Source(None, f"the {k.label} shipped for this model's name{f' at n={plan.n}' if plan else ''} was "
+                      f"trained on other weights (target fingerprint {want}, these {model.weights_fingerprint}: e.g. "
+                      "the embedded GGUF's against another checkpoint of the model)")
+    return Source(found, "")
+
+
+def is_checkpoint(label: str | None) -> bool:
+    """Whether a `Resolved.label` (as stats record it) names a checkpoint directory, not a random or given
+    drafter (or none)."""
+    return label is not None and label not in (Form.RANDOM.value, Form.GIVEN.value)
+
+
+class Resolved(NamedTuple):
+    config: Any  # the kind's config
+    variables: dict  # in the model's dtype (integer leaves, e.g. a draft vocabulary's ids, as they are)
+    label: str  # "random", "given" or the checkpoint path: what stats record
+
+
+def resolve(k: DrafterKind, model, ref: Any, plan=None, random_layers: int = 2, method: str = "") -> Resolved:
+    """ref -> the drafter to run, loaded (once per model: `model.runtime` keeps it) and checked against
+    model and plan. A random one (seed 0: the drafter is a model, not sampling randomness) is announced
+    once per process and kind, naming `method` and why."""
+    found, why = source(k, model, ref, plan)
+    counts = plan.counts if plan is not None else None
+    if found is None:
+        spec = k.random_config(model.config, plan, random_layers)
+        if k.name not in _random_noted:  # once per process, not once per call
+            _random_noted.add(k.name)
+            log.warning(f"{method}: {why}; using a randomly initialised {k.noun}. Output is still exactly the "
+                        "target's, but few drafts will be accepted.")
+        key = ("drafter", k.name, "random", spec)
+        if key not in model.runtime:
+            model.runtime[key] = k.init(model.config, spec, model.params, 0, model.dtype)
+        return Resolved(spec, model.runtime[key], Form.RANDOM.value)
+    if isinstance(found, DrafterRef):  # given in memory: checked and cast, not kept
+        k.check(found.config, model.config, "(given)", counts)
+        # the engines mix the drafter's activations with the target's: one dtype, as a loaded one gets
+        cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+        return Resolved(found.config, jax.tree.map(cast, found.variables), Form.GIVEN.value)
+    key = ("drafter", k.name, str(Path(found).absolute()), counts)
+    if key not in model.runtime:
+        model.runtime[key] = store.load(k, found, model.config, model.params, model.dtype, plan=counts,
+                                        weights=model.weights_fingerprint, model_name=str(model.path))
+    spec, variables = model.runtime[key]
+    return Resolved(spec, variables, str(found))

@@ -1,0 +1,113 @@
+"""What every drafter with a network takes from its target, in one place: the target's signature (what a
+checkpoint records of the architecture it belongs to), the frozen LM head copied from the target's (its
+rows of a draft vocabulary), the draft vocabulary's ids, the head's module half (`DraftHead`), and the
+seeded random variables and logical axes of a drafter's Flax module. No checkpoint I/O (`store`), no
+drafter-specific layout (each drafter's own module)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spd_jax.config import ModelConfig
+from spd_jax.models import decoder
+
+SIGNATURE_FIELDS = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
+
+
+def target_signature(cfg: ModelConfig) -> tuple:
+    """(model_type, hidden, layers, vocab, heads, kv heads): the target a drafter belongs to."""
+    return (cfg.model_type, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads)
+
+
+def check_target(signature: tuple, cfg: ModelConfig, error: type[Exception], label: str, where: str) -> None:
+    """Refuse a drafter whose recorded target signature is not cfg's, naming each field that differs."""
+    want = target_signature(cfg)
+    if tuple(signature) != want:
+        diff = [f"{k}: checkpoint {a} vs model {b}" for k, a, b in zip(SIGNATURE_FIELDS, signature, want) if a != b]
+        raise error(f"{label} checkpoint {where} was trained for another model ({'; '.join(diff)})")
+
+
+def check_vocab_ids(ids, spec, cfg: ModelConfig) -> jax.Array:
+    """A draft vocabulary's token ids [V']: sorted, distinct, inside the target's vocabulary."""
+    a = np.asarray(ids)
+    if a.shape != (spec.draft_vocab,) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"the draft vocabulary needs {spec.draft_vocab} integer token ids, got shape {a.shape} "
+                         f"{a.dtype}")
+    if a.size and (a[0] < 0 or a[-1] >= cfg.vocab_size or (np.diff(a) <= 0).any()):
+        raise ValueError(f"draft vocabulary ids must be sorted, distinct and in [0, {cfg.vocab_size})")
+    return jnp.asarray(a, jnp.int32)
+
+
+def target_head(cfg: ModelConfig, spec, target_params: dict, vocab_ids, dtype, what: str) -> dict:
+    """A drafter's frozen LM head copied from the target's -> {"lm_head": [V', H]} (the caller puts it in
+    its params), plus {"vocab": {"ids": [V']}} with a draft vocabulary (its rows at vocab_ids, which it
+    then needs). what names the drafter in the error."""
+    head = decoder.lm_head(target_params, cfg)
+    out = {}
+    if spec.draft_vocab:
+        if vocab_ids is None:
+            raise ValueError(f"{what} with a draft vocabulary needs its token ids (vocab_ids)")
+        out["vocab"] = {"ids": check_vocab_ids(vocab_ids, spec, cfg)}
+        head = head[out["vocab"]["ids"]]
+    return dict(out, lm_head=jnp.asarray(head, dtype))
+
+
+class DraftHead:
+    """The head half of a drafter's Flax module (a mixin; the module has `cfg`, the target's, and `spec`
+    with draft_vocab): an LM head [V', H] over the whole vocabulary or a draft vocabulary, whose rows'
+    token ids ride in the `vocab` collection."""
+
+    def setup_head(self, logical) -> None:
+        """Call from setup: the `lm_head` param and, with a draft vocabulary, the `vocab`/`ids` variable."""
+        V, H = self.spec.draft_vocab or self.cfg.vocab_size, self.cfg.hidden_size
+        # a draft vocabulary's rows are not the target's "vocab" axis (another size, other units)
+        vocab_axis = "draft_vocab" if self.spec.draft_vocab else "vocab"
+        self.lm_head = self.param("lm_head", logical(nn.initializers.normal(0.02), (vocab_axis, "embed")), (V, H))
+        if self.spec.draft_vocab:  # [V'] token ids of the head's rows, sorted; not trained
+            self.vocab_ids = self.variable("vocab", "ids", lambda: jnp.arange(V, dtype=jnp.int32))
+
+    def token_ids(self) -> jax.Array:
+        """[V'] int32: the token id of each head row."""
+        if self.spec.draft_vocab:
+            return self.vocab_ids.value
+        return jnp.arange(self.cfg.vocab_size, dtype=jnp.int32)
+
+    def expand(self, logits: jax.Array) -> jax.Array:
+        """[..., V'] head logits -> [..., V] target-vocabulary logits, -inf off the draft vocabulary."""
+        if not self.spec.draft_vocab:
+            return logits
+        full = jnp.full((*logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, logits.dtype)
+        return full.at[..., self.vocab_ids.value].set(logits)
+
+
+# init_boxed(cfg, spec, seed) -> a drafter module's variables with their logical axes (Flax boxes)
+InitBoxed = Callable[[ModelConfig, object, object], dict]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _unboxed(init_boxed: InitBoxed, cfg: ModelConfig, spec, seed) -> dict:
+    return nn.unbox(init_boxed(cfg, spec, seed))
+
+
+def random_variables(init_boxed: InitBoxed, cfg: ModelConfig, spec, target_params: dict, seed: int, dtype,
+                     vocab_ids, what: str) -> dict:
+    """A drafter's seeded random variables in dtype, its LM head copied from the target's (`target_head`)."""
+    variables = _unboxed(init_boxed, cfg, spec, seed)
+    params = jax.tree.map(lambda t: t.astype(dtype), variables["params"])
+    out = {"params": params, **target_head(cfg, spec, target_params, vocab_ids, dtype, what)}
+    params["lm_head"] = out.pop("lm_head")
+    return out
+
+
+def logical_axes(init_boxed: InitBoxed, cfg: ModelConfig, spec) -> dict:
+    """The drafter's variables pytree with each leaf's logical axes (a tuple) in place of the array, for
+    `spd_jax.sharding.tree_shardings` (a collection without boxes, e.g. `vocab` ids: replicated)."""
+    boxed = jax.eval_shape(lambda: init_boxed(cfg, spec, 0))
+    return jax.tree.map(lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else (None,) * len(x.shape),
+                        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))

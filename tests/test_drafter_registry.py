@@ -1,0 +1,61 @@
+"""The drafter registry and the method registry: one `DrafterKind` per drafter, one `DrafterRef` for the
+forms a call names a drafter in, one object per decoding method."""
+
+from pathlib import Path
+
+import pytest
+
+from spd_jax import methods
+from spd_jax.drafters import registry
+from spd_jax.drafters.kind import DrafterRef, Form
+
+
+def test_drafter_ref_takes_the_older_forms():
+    assert DrafterRef.of(None).form is Form.SHIPPED
+    assert DrafterRef.of("random").form is Form.RANDOM
+    assert DrafterRef.of("some/dir") == DrafterRef.trained("some/dir")
+    assert DrafterRef.of(Path("d")).path == Path("d")
+    given = DrafterRef.of(("cfg", {"params": {}}))
+    assert given.form is Form.GIVEN and given.config == "cfg"
+    ref = DrafterRef.random()
+    assert DrafterRef.of(ref) is ref
+    with pytest.raises(TypeError, match="a drafter is a checkpoint path"):
+        DrafterRef.of(3)
+
+
+def test_every_kind_is_whole():
+    assert set(registry.KINDS) == {"psm", "eagle3"}
+    for name, k in registry.KINDS.items():
+        assert k.name == name and k.identity_file == f"{name}.json" and k.shipped_dir.is_dir()
+        assert any(k.shipped_dir.glob(f"*/{k.identity_file}")), "a trained one ships"
+        for meta in k.shipped_dir.glob(f"*/{k.identity_file}"):
+            spec = registry.store.read_spec(k, meta.parent)  # the shipped identity files read unchanged
+            assert isinstance(spec, k.config) and registry.of_checkpoint(meta.parent) is k
+            assert k.from_json(k.to_json(spec), str(meta.parent)) == spec
+    with pytest.raises(ValueError, match="unknown drafter 'x': one of psm, eagle3"):
+        registry.kind("x")
+
+
+def test_methods_are_objects_with_their_own_caches():
+    assert list(methods.METHODS) == ["ar", "tp", "pipeline", "spd", "eagle3"]
+    caches = [m.compiled for m in methods.METHODS.values()]
+    assert len({id(c) for c in caches}) == len(caches)
+    spd = methods.get("spd")
+    assert spd.drafter_kind is registry.PSM and methods.get("eagle3").drafter_kind is registry.EAGLE3
+    assert spd.devices(spd.options(n=4, psm_placement="own")) == 5
+    assert methods.get("pipeline").devices(methods.get("pipeline").options(n=4, psm_placement="own")) == 4
+    assert methods.get("ar").devices(methods.get("ar").options(n=4)) == 1
+    with pytest.raises(ValueError, match="unknown method 'x': available: ar, tp, pipeline, spd, eagle3"):
+        methods.get("x")
+    with pytest.raises(ValueError, match="eagle3 needs a positive chain length k"):
+        methods.get("eagle3").options(k=0)
+
+
+def test_what_callers_ask_of_a_method_instead_of_its_name():
+    ar, spd, e3 = methods.get("ar"), methods.get("spd"), methods.get("eagle3")
+    assert [m.name for m in methods.METHODS.values() if m.baseline] == ["ar"]
+    assert (spd.label_key, e3.label_key, ar.label_key) == ("psm", "drafter_spec", None)
+    assert (ar.steps(dict(tokens=5)), spd.steps(dict(cycles=7)), e3.steps(dict(rounds=2))) == (5, 7, 2)
+    assert [m.name for m in methods.METHODS.values() if not m.multi_process] == ["ar", "eagle3"]
+    assert not registry.is_checkpoint("random") and not registry.is_checkpoint("given")
+    assert not registry.is_checkpoint(None) and registry.is_checkpoint("/some/psm")
