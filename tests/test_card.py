@@ -95,7 +95,7 @@ def test_card_from_run_and_eval_files(tmp_path, monkeypatch):
             "positions and steps below are this run's only); 734,018 response positions in all") in text
     # what the export recorded at the run's start wins over what the directory holds now (a PSM trained
     # on in its place), and a chain of warm starts is summed
-    from train.loop import warm_start_record
+    from train.checkpoints import warm_start_record
 
     meta = json.loads((psm / "psm.json").read_text())
     meta["trained"]["warm_start"] = warm_start_record(tmp_path / "n8")
@@ -244,9 +244,9 @@ def test_lineage_plots_s0_across_the_psms_a_directory_held(tmp_path, capsys):
 
 
 def test_data_line_names_a_limited_corpus_and_self_distilled_replies():
-    from train.loop import TrainConfig
+    from train.config import TrainConfig
 
-    line = card._data_line(TrainConfig(sources=("sharegpt", "gsm8k"), limit=400, responses="target"))
+    line = card._data_line(TrainConfig.of(sources=("sharegpt", "gsm8k"), limit=400, responses="target"))
     assert line.startswith("- data: the first user turns of sharegpt, gsm8k (the first 400 conversations of each) "
                            "answered by the target itself")
 
