@@ -416,9 +416,18 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PSMCheckpointError, match="another model"):
         train_step.init_state(other, PSMConfig.for_target(other.config, spec.plan, 2), tc3, opt)
-    # the warm-started run's export records what init_from held when the run started
+    # the warm-started run's export records what init_from held when the run started: its weights' digest
     rec = train_checkpoints.warm_start_record(tmp_path / "psm")
     assert rec == dict(path=str(tmp_path / "psm"), plan=list(spec.plan), anchors=list(spec.anchors))
+    params, rec = train_checkpoints.warm_start(llama, spec, tc3)
+    digest = train_checkpoints.weights_digest({k: v for k, v in trained.items() if k in params})
+    assert rec == dict(path=str(tmp_path / "psm"), digest=digest, plan=list(spec.plan), anchors=list(spec.anchors))
+    assert digest.startswith("sha256:") and train_checkpoints.weights_digest(params) == digest
+    # a config naming the digest starts from those bytes, or is refused naming both digests and the fix
+    assert train_checkpoints.warm_start(llama, spec, tc3.replace(init_digest=digest))[1]["digest"] == digest
+    with pytest.raises(ValueError, match=rf"digest {digest}, this config expects init_digest=sha256:0000000000000000"
+                                         rf".*Point init_from at .*init_digest={digest}"):
+        train_step.init_state(llama, spec, tc3.replace(init_digest="sha256:0000000000000000"), opt)
     warm, frozen = train_step.init_state(llama, spec, tc3, opt)
     train_checkpoints.export(tmp_path / "psm2", join_params(warm["params"], frozen), spec, tc3, {}, "1x1", 0, 0, 0.0,
                        llama.weights_fingerprint, rec)
@@ -569,7 +578,9 @@ def test_one_loader_takes_flat_nested_and_dotted_keys(tmp_path):
     for bad, needle in ((dict(lr=1e-4, optimiser=dict(lr=2e-4)), "optimiser.lr sets lr a second time"),
                         (dict(optimiser=dict(rate=1)), "unknown training config keys ['optimiser.rate']"),
                         (dict(layers_from_target="yes"), "layers_from_target='yes' is not true or false"),
-                        (dict(steps=2.5), "steps=2.5 is not an integer")):
+                        (dict(steps=2.5), "steps=2.5 is not an integer"),
+                        (dict(init_digest="sha256:0123456789abcdef"), "init_from is not set"),
+                        (dict(init_from="x", init_digest="md5:1"), "is not a weights digest")):
         with pytest.raises(train_config.ConfigError, match=re.escape(needle)):
             TrainConfig.from_dict(bad)
     (tmp_path / "r.yaml").write_text("base_config: base.yaml\nlr: 2.0e-4\n")

@@ -1,15 +1,18 @@
 """A run's checkpoints and what it starts from or hands on: the orbax manager, the resume identity,
-the exported drafter, and the warm start.
+the exported drafter, and the warm start named by the digest of its weights.
 
 A run directory holds ckpt/ (orbax: params, optimiser state, step; with a JSON meta of positions and
 wall time), run.json (the identity a resume must match, the resolved config, the commands) and, at the
 end, the exported drafter (psm/ or drafter/) without the target's head. A warm start (`init_from`)
-reads an exported drafter's weights; the run records what it held (run.json's warm_start, and the
-export's trained.warm_start: the lineage). Nothing here computes a step.
+reads an exported drafter's weights; `weights_digest` names those weights by content, the run records
+the digest (run.json's warm_start, and the export's trained.warm_start: the lineage), and a config that
+states `init_digest` is refused when init_from holds other weights, so a rerun starts from the same
+bytes or not at all. Nothing here computes a step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -18,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from spd_jax import distributed
@@ -26,7 +30,7 @@ from spd_jax.drafters import eagle3, psm
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSMConfig
 from spd_jax.drafters.store import orbax_failure, quiet_abandoned_reads
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger("train.checkpoints")
 
@@ -43,10 +47,33 @@ def export_name(spec: Spec) -> str:
 
 # ---------------------------------------------------------------- the warm start
 
+def weights_digest(params: dict) -> str:
+    """A drafter's trained weights -> "sha256:" and 16 hex digits of sha256 over every leaf in path order:
+    its path, dtype, shape and row-major bytes. The weights as a warm start loads them (float32; the
+    exported bfloat16 values cast exactly), without the LM head (the target's, not the drafter's)."""
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_flatten_with_path({k: v for k, v in params.items() if k != "lm_head"})[0]
+    for path, leaf in leaves:
+        a = np.asarray(distributed.to_host(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}\0{a.dtype.str}\0{list(a.shape)}\0".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def check_digest(init_from: str, found: str, expected: str | None) -> None:
+    """Refuse weights whose digest is not the config's init_digest, naming both and the fixes."""
+    if expected is not None and found != expected:
+        raise ConfigError(
+            f"init_from {init_from} holds weights with digest {found}, this config expects init_digest={expected}: "
+            "the directory now holds other weights than the run recorded (a drafter shipped or exported over "
+            f"them). Point init_from at the weights of digest {expected} (docs/train/runs.md names the run that "
+            f"makes them), or start from what is there now as a new run with init_digest={found}")
+
+
 def warm_start(model, spec: Spec, tc: TrainConfig) -> tuple[dict, dict]:
     """-> (the trained params of tc.drafter.init_from, without the LM head, as float32 copies; its record,
-    `warm_start_record`). Refuses a drafter whose shapes do not fit this run's, or one trained for another
-    target."""
+    `warm_start_record` with the weights' digest). Refuses a drafter whose shapes do not fit this run's,
+    one trained for another target, and weights other than tc.drafter.init_digest names."""
     init_from = tc.drafter.init_from
     record = warm_start_record(init_from)  # refuses a directory with no exported drafter
     if isinstance(spec, Eagle3Config):
@@ -74,14 +101,18 @@ def warm_start(model, spec: Spec, tc: TrainConfig) -> tuple[dict, dict]:
     # copies (training donates its buffers); proj_a are {kernel} dicts
     params = {k: jax.tree.map(lambda a: jnp.array(a, copy=True), w) for k, w in warm["params"].items()
               if k != "lm_head"}
-    return params, record
+    digest = weights_digest(params)
+    check_digest(init_from, digest, tc.drafter.init_digest)
+    log.info("warm start from %s: weights %s", init_from, digest)
+    return params, dict(path=record.pop("path"), digest=digest, **record)
 
 
-def warm_start_record(init_from: str | Path) -> dict[str, Any]:
-    """What init_from held when a run started from it: its path and its exported drafter's training
-    facts (method, steps, positions; a PSM's plan and anchors; its own warm start, so a chain of warm
-    starts stays whole). Runs and their exports keep this record rather than re-read the directory,
-    which may later hold another drafter (a longer-trained PSM shipped in its place)."""
+def warm_start_record(init_from: str | Path, digest: str | None = None) -> dict[str, Any]:
+    """What init_from held when a run started from it: its path, the digest of its weights (`weights_digest`,
+    when the run read them) and its exported drafter's training facts (method, steps, positions; a PSM's
+    plan and anchors; its own warm start, so a chain of warm starts stays whole). Runs and their exports
+    keep this record rather than re-read the directory, which may later hold another drafter (a
+    longer-trained PSM shipped in its place)."""
     path = Path(init_from)
     meta_file = next((path / f for f in ("psm.json", "eagle3.json") if (path / f).is_file()), None)
     if meta_file is None:
@@ -89,7 +120,7 @@ def warm_start_record(init_from: str | Path) -> dict[str, Any]:
                                 "train.main exported, e.g. runs/NAME/psm or spd_jax/psms/...)")
     meta = json.loads(meta_file.read_text())
     trained = meta.get("trained", {})
-    rec: dict[str, Any] = dict(path=str(init_from),
+    rec: dict[str, Any] = dict(path=str(init_from), **(dict(digest=digest) if digest else {}),
                                **{k: trained[k] for k in ("method", "steps", "positions") if k in trained})
     rec.update({k: meta[k] for k in ("plan", "anchors") if k in meta})
     if "warm_start" in trained:
@@ -239,7 +270,7 @@ def export(final: Path, variables, spec: Spec, tc: TrainConfig, config: dict, me
            wall_s: float, target_weights: str, warm_start: dict | None = None, recipe: dict | None = None) -> None:
     """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it
     (config: the resolved config run.json holds; recipe: the recipe file and overrides it was resolved from;
-    what it started from: `warm_start`) and the fingerprint of the target's
+    what it started from: `warm_start`, with its weights' digest) and the fingerprint of the target's
     weights (`Model.weights_fingerprint`), which loading it checks."""
     variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
                              variables)

@@ -66,6 +66,9 @@ class DrafterConfig:
     # the loss is then the KL of the teacher restricted (renormalised) to them
     draft_vocab: int = 0
     init_from: str | None = None  # warm start from an exported drafter (PSM: same target, Ls and anchor count)
+    # the digest of the weights init_from must hold (`checkpoints.weights_digest`, "sha256:..."): a run
+    # whose init_from holds other weights is refused; unset, the run records the digest it found
+    init_digest: str | None = None
     # eagle3: the target's hidden states it fuses (default EAGLE-3's low/mid/high), the draft steps the
     # training-time test unrolls, the chain length of its quick eval
     feature_layers: tuple[int, ...] | None = None
@@ -284,6 +287,12 @@ class TrainConfig:
         if da.teacher_cache and dr.method != "psm":
             raise ConfigError(f"teacher_cache holds a PSM's anchor states; method {dr.method!r} reads other features "
                               "(set teacher_cache=false)")
+        if dr.init_digest is not None and not dr.init_from:
+            raise ConfigError(f"init_digest={dr.init_digest!r} names the weights of a warm start, but init_from is "
+                              "not set: set init_from=DIR, or drop init_digest")
+        if dr.init_digest is not None and not re.fullmatch(r"sha256:[0-9a-f]{16,64}", dr.init_digest):
+            raise ConfigError(f"init_digest={dr.init_digest!r} is not a weights digest (sha256:<hex>, as run.json's "
+                              "warm_start.digest records it)")
         if da.skip < 0:
             raise ConfigError(f"skip must be >= 0 (conversations per source passed over), got {da.skip}")
         if da.prompt_pattern is not None:

@@ -53,7 +53,7 @@ class Run:
     model: spd_jax.Model
     spec: Spec
     ckpts: Checkpoints
-    warm_start: dict | None  # what init_from held (`checkpoints.warm_start_record`)
+    warm_start: dict | None  # what init_from held (`checkpoints.warm_start_record`, with its digest)
     state: dict
     frozen: dict
     opt: object
@@ -201,7 +201,7 @@ def setup(args, argv: list[str]) -> Run:
         recorded = check_continues(args, recorded, identity, tc, out)
     restoring = at is not None
     # what init_from held at the run's start, kept with the run and its exports (the directory may change):
-    # a new run reads its weights; a restored one keeps its record, or, recorded
+    # a new run reads its weights (checked against init_digest); a restored one keeps its record, or, recorded
     # before the record existed, gets the directory's facts today, or only its path when it is gone (its
     # weights are the checkpoint's, not init_from's)
     warm, warm_start = None, recorded.get("warm_start")
@@ -227,7 +227,7 @@ def setup(args, argv: list[str]) -> Run:
     vocab_ids = draft_vocabulary(args, run, train_set)
     # a restored state replaces init_from's weights: the directory is not read (it may since have moved,
     # or hold another drafter); the frozen head is the target's either way
-    run.state, run.frozen = step.init_state(model, spec, tc.replace(init_from=None) if restoring
+    run.state, run.frozen = step.init_state(model, spec, tc.replace(init_from=None, init_digest=None) if restoring
                                             else tc, run.opt, vocab_ids, warm)
     if restoring:
         run.state, meta = ckpts.restore(at, jax.eval_shape(lambda: run.state))
@@ -252,14 +252,18 @@ def _describe(tc: TrainConfig, spec: Spec, model, n_data: int, n_model: int) -> 
 
 def _record(args, argv: list[str], run: Run, recorded: dict, identity: dict) -> None:
     """Append this command to run.json (written whole): an export to `exports`; a training command to
-    `commands`, with the identity, the resolved config, the recipe and overrides it came from, the mesh
-    and the warm start."""
+    `commands`, with the identity, the resolved config (init_digest: the weights the run started from),
+    the recipe and overrides it came from, the mesh and the warm start."""
     rec = dict(recorded)
     cmd = " ".join(["python -m train.main", *argv])
     if args.export:  # an export trains nothing: the run's config and its training commands stay as they are
         rec["exports"] = rec.get("exports", []) + [cmd]
     else:
-        rec.update(identity=identity, config=run.config, recipe=run.recipe, mesh=args.mesh,
+        config = dict(run.config)
+        if run.warm_start and run.warm_start.get("digest") and config.get("init_digest") is None:
+            config["init_digest"] = run.warm_start["digest"]
+        run.config = config
+        rec.update(identity=identity, config=config, recipe=run.recipe, mesh=args.mesh,
                    processes=jax.process_count())
         rec["commands"] = rec.get("commands", []) + [cmd]
         if run.warm_start:

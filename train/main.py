@@ -10,7 +10,7 @@ command sets up that many host devices itself). key=value overrides any config k
 stages=6,8,8,8, which sum to SmolLM2's 30 layers; batch_size=16; method=eagle3; or by section,
 optimiser.lr=2e-4). Both methods take the same data, batches, optimiser and checkpoints. Writes to --out:
 orbax checkpoints (ckpt/), metrics.jsonl, run.json (the resolved config, the recipe and overrides it came
-from, and the commands that trained the run; `--export` ones under
+from, a warm start's weights digest, and the commands that trained the run; `--export` ones under
 "exports"), curves.png
 and, at the end, the trained drafter: psm/ (`infer.generate --spec`) or, for eagle3, drafter/
 (`infer.generate --mode eagle3 --drafter`). `--export [STEP]` writes a kept checkpoint's drafter
