@@ -566,6 +566,24 @@ def test_eagle3_config_matches_the_psm_data():
     assert {k: e3[k] for k in same} == {k: psm[k] for k in same}
 
 
+def test_base_holds_every_default_and_recipes_only_differences():
+    """configs/train/base.yaml states every key once, at the dataclasses' defaults; there are at most five
+    recipes, each naming it as base_config and stating only values that differ from it."""
+    import yaml
+
+    base = train_config.read_yaml(ROOT / "configs/train/base.yaml")
+    assert base == TrainConfig().to_flat()
+    recipes = sorted(p for p in (ROOT / "configs/train").glob("*.yaml") if p.name != "base.yaml")
+    assert [p.name for p in recipes] == ["smollm2-eagle3.yaml", "smollm2-n4.yaml", "smollm2-n8-distill.yaml",
+                                         "smollm2-n8-h200.yaml", "smollm2-n8.yaml"]
+    for p in recipes:
+        d = yaml.safe_load(p.read_text())
+        assert d.pop("base_config") == "base.yaml", p
+        tc = TrainConfig.from_dict(d)
+        same = [k for k, v in train_config.flatten(d).items() if base[k] == tc.to_flat()[k]]
+        assert not same, f"{p.name} restates defaults {same}"
+
+
 def test_one_loader_takes_flat_nested_and_dotted_keys(tmp_path):
     """A file may nest keys in sections or keep them flat, an override may name the section; a key given
     twice, an unknown one or a value of the wrong type is one ConfigError naming it and the fix."""

@@ -11,8 +11,9 @@ as Levanter's `TrainLmConfig` nests its parts. Every key has one flat name, the 
 `key=value` overrides use (`lr`, `batch_size`, `init_from`; `model` is `model.name`); FLAT maps each to
 its section. A file may also nest them (`optimiser: {lr: 3.0e-4}`) or an override name the section
 (`optimiser.lr=3e-4`): `from_dict` takes both forms, and it is the only way a config is built from
-outside data. `load` reads a config file (configs/train/*.yaml; over the file its `base_config` key
-names, if any) and the command line's overrides, and returns the config with the resolved flat dict that run.json records. Every bad key or value raises
+outside data. `load` reads a recipe (configs/train/*.yaml) over its `base_config` (configs/train/base.yaml,
+which states every default once, the dataclasses' defaults) and the command line's overrides, and
+returns the config with the resolved flat dict that run.json records. Every bad key or value raises
 ConfigError (a ValueError) naming the key and the fix.
 
 This module reads no model, no data and no device: it must stay importable before the JAX backend starts.
@@ -186,7 +187,7 @@ def flatten(d: dict, where: str = "training config") -> dict:
     """A config dict in either form (flat keys, or sections of keys) -> flat keys. Unknown keys, a section
     that is not a mapping, or one key given twice (flat and in its section) raise ConfigError."""
     if not isinstance(d, dict):
-        raise ConfigError(f"{where} is not a mapping of training config keys (see configs/train/)")
+        raise ConfigError(f"{where} is not a mapping of training config keys (see configs/train/base.yaml)")
     flat: dict[str, Any] = {}
     unknown: list[str] = []
 
@@ -217,7 +218,7 @@ def flatten(d: dict, where: str = "training config") -> dict:
             unknown.append(k)
     if unknown:
         raise ConfigError(f"unknown training config keys {sorted(unknown)}; known: {sorted(FLAT)} (each also as "
-                          "section.key, sections " + ", ".join(SECTIONS) + ")")
+                          "section.key, sections " + ", ".join(SECTIONS) + "): see configs/train/base.yaml")
     return flat
 
 
