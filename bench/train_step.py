@@ -47,7 +47,8 @@ def main(argv=None) -> int:
 
     from spd_jax.sharding import data_model_mesh, put
     from spd_jax.drafters.psm import PSMConfig, teacher_states
-    from train import loop
+    from train import corpus as train_corpus, step as train_step
+    from train.config import TrainConfig
 
     model = spd_jax.load_model(args.model)
     plan = pipelined.plan_for(model, args.n)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     mask[args.seq - max(round(args.response_share * args.seq), 1):] = True
     # buckets of 128 as the shipped configs' (128, 256, 384, 512): the queries pad to one of them
     buckets = tuple(range(128, args.seq, 128)) + (args.seq,)
-    batch = loop.pad_batch([(rng.integers(0, model.config.vocab_size, args.seq).astype(np.int32), mask)
+    batch = train_corpus.pad_batch([(rng.integers(0, model.config.vocab_size, args.seq).astype(np.int32), mask)
                             for _ in range(args.batch)], buckets)
 
     def timed(fn):
@@ -73,11 +74,11 @@ def main(argv=None) -> int:
     res = {}
     for variant in args.variants.split(","):
         dt, dv, *fill = variant.split(":")
-        tc = loop.TrainConfig(model=args.model, n=args.n, batch_size=args.batch, compute_dtype=dt,
+        tc = TrainConfig.of(model=args.model, n=args.n, batch_size=args.batch, compute_dtype=dt,
                               draft_vocab=int(dv), fill_accept=float(fill[0]) if fill else None)
         spec = PSMConfig.for_target(model.config, plan.counts, 2, draft_vocab=tc.draft_vocab)
         ids = np.arange(spec.draft_vocab) if spec.draft_vocab else None
-        target = loop.compute_target(model, tc)
+        target = train_step.compute_target(model, tc)
 
         @jax.jit
         def teacher(target, tokens):
@@ -88,9 +89,9 @@ def main(argv=None) -> int:
         jax.block_until_ready(teacher(target, tokens))
         t_teacher = timed(lambda: teacher(target, tokens))
 
-        opt = loop.make_optimizer(tc)
-        state, frozen = loop.init_state(model, spec, tc, opt, ids)
-        step = loop.make_step(model.config, spec, tc, opt, mesh)
+        opt = train_step.make_optimizer(tc)
+        state, frozen = train_step.init_state(model, spec, tc, opt, ids)
+        step = train_step.make_step(model.config, spec, tc, opt, mesh)
         # placed as train.main places them: the step's outputs come back replicated, and an input
         # placed otherwise would compile the step a second time on the second call
         rep = NamedSharding(mesh, PartitionSpec())

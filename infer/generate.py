@@ -16,22 +16,11 @@ from pathlib import Path
 # spd_jax imports JAX but does not start its backend: the device set-up in main still precedes that
 import spd_jax
 from spd_jax import distributed
+from spd_jax.datasets import PROMPT_FIELDS, prompt_field
 from spd_jax.decode.pipelined import PSM_PLACEMENTS
 from spd_jax.methods import METHODS
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
-
-
-PROMPT_FIELDS = ("prompt", "text", "question", "turns")
-
-
-def prompt_field(obj: dict) -> str | None:
-    """A JSONL record's prompt text: its first field among PROMPT_FIELDS (of `turns`, the first turn)."""
-    for key in PROMPT_FIELDS:
-        if key in obj:
-            v = obj[key]
-            return v[0] if isinstance(v, list) else v
-    return None
 
 
 def read_prompt_file(path: str) -> list[str]:

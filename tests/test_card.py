@@ -13,7 +13,7 @@ from spd_jax.drafters.store import content_id
 from spd_jax.reports import cards, lineage
 from spd_jax.reports.results import label_is_dir
 from train import card
-from train.loop import warm_start_record
+from train.checkpoints import warm_start_record
 
 SETUP = dict(model="smollm2-135m-instruct", max_new_tokens=128, seed=0, backend="cpu")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train.data import REPO_DATA, data_path
+from spd_jax.datasets import REPO_DATA, data_path
 
 ROWS = re.compile(r"^\| `([^`]+)` \|.*\| (\d+) \|.*\| `([0-9a-f]{64})` \|$", re.M)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import spd_jax
-from train import distill, loop
+from train import corpus as train_corpus, data as train_data, distill
+from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def test_replies_are_the_targets_and_chunks_resume(tiny, tmp_path, monkeypatch):
 
 def test_responses_must_be_known():
     with pytest.raises(ValueError, match="responses must be one of dataset, target"):
-        loop.TrainConfig.from_dict(dict(responses="teacher"))
+        TrainConfig.from_dict(dict(responses="teacher"))
 
 
 @pytest.mark.real_model
@@ -55,21 +56,21 @@ def test_cli_builds_the_corpus_training_reads(smollm2, tmp_path, monkeypatch, ca
     """`train.distill` regenerates GSM8K first turns with SmolLM2 (batched, greedy) into the cache;
     `encode_corpus` with responses=target reads it back (no generation); a reply equals the target's own
     greedy reply."""
-    monkeypatch.setattr(loop, "corpus_dir", lambda: tmp_path / "corpus")
+    monkeypatch.setattr(train_data, "corpus_dir", lambda: tmp_path / "corpus")
     args = ["--config", str(ROOT / "configs/train/smollm2-n8.yaml"), "sources=[gsm8k]", "limit=6", "max_len=160",
             "--batch", "4"]
     assert distill.main(args) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["sequences"] == 6 and stats["response_positions"] > 6 and stats["max_len"] == 160
-    tc = loop.TrainConfig.from_dict(dict(sources=["gsm8k"], limit=6, max_len=160, buckets=[160], responses="target"))
-    key = loop.corpus_key(smollm2, tc, "target-greedy-first-turn", distill.MIN_ROOM)
+    tc = TrainConfig.from_dict(dict(sources=["gsm8k"], limit=6, max_len=160, buckets=[160], responses="target"))
+    key = train_data.corpus_key(smollm2, tc, "target-greedy-first-turn", distill.MIN_ROOM)
     assert (tmp_path / "corpus" / f"corpus-{key}.npz").is_file()
 
     def no_generation(*a, **k):
         raise AssertionError("the corpus the CLI built is read, not generated again")
 
     monkeypatch.setattr(spd_jax, "generate_batch", no_generation)
-    seqs = loop.encode_corpus(smollm2, tc, tmp_path / "corpus")
+    seqs = train_corpus.encode_corpus(smollm2, tc, tmp_path / "corpus")
     assert len(seqs) == 6 and sum(int(m.sum()) for _, m in seqs) == stats["response_positions"]
     prompt = distill.first_turn_prompts(smollm2, tc)[0]
     ids, mask = seqs[0]

@@ -16,7 +16,8 @@ import pytest
 import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.drafters.psm import PSMConfig
-from train import heldout, loop
+from train import corpus as train_corpus, data as train_data, heldout, step as train_step
+from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ def llama(tiny_ckpt):
 
 
 def test_score_is_the_mean_per_position_whatever_the_batching(llama):
-    tc = loop.TrainConfig(model=str(llama.path), n=4, psm_layers=2, buckets=(48,), max_len=48)
+    tc = TrainConfig.of(model=str(llama.path), n=4, psm_layers=2, buckets=(48,), max_len=48)
     spec = PSMConfig.for_target(llama.config, pipelined.plan_for(llama, 4).counts, tc.psm_layers)
     rng = np.random.default_rng(1)
     seqs = []
@@ -36,15 +37,15 @@ def test_score_is_the_mean_per_position_whatever_the_batching(llama):
         mask = np.zeros(len(ids), bool)
         mask[rng.integers(2, 8):-1] = True
         seqs.append((ids, mask))
-    state, frozen = loop.init_state(llama, spec, tc, loop.make_optimizer(tc))
+    state, frozen = train_step.init_state(llama, spec, tc, train_step.make_optimizer(tc))
     got = heldout.scorer(llama, spec, tc, seqs)(state["params"], frozen)
 
     # each sequence alone, its fills keyed by its index in the set
-    loss = jax.jit(loop.loss_fn(llama.config, spec, tc))
+    loss = jax.jit(train_step.loss_fn(llama.config, spec, tc))
     kl = agree = 0.0
     for i, s in enumerate(seqs):
         key = jax.random.fold_in(jax.random.key(heldout.SEED), i)[None]
-        _, sums = loss(state["params"], frozen, llama.params, loop.pad_batch([s], tc.buckets), key)
+        _, sums = loss(state["params"], frozen, llama.params, train_corpus.pad_batch([s], tc.buckets), key)
         kl, agree = kl + float(sums["kl_sum"]), agree + float(sums["agree_sum"])
     positions = sum(int(m.sum()) for _, m in seqs)
     # float32 sums over ~300 positions in another order: relative error well under 1e-5
@@ -100,20 +101,20 @@ def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch)
     """Conversations offset .. offset + count - 1 of each source, counted per source; a held-out first
     turn equal to one a run trained on (index < seen_below in its source) is dropped and counted. A run's
     prompt_pattern does not narrow the set: it is every conversation in that range."""
-    def conversations(tc):  # as loop.conversations: skip and limit count all, the pattern filters within
+    def conversations(tc):  # as train_data.conversations: skip and limit count all, the pattern filters within
         for src, n in (("one", 9), ("two", 7)):  # "two"'s conversation 5 repeats its conversation 1
             for i in range(min(n, tc.limit)):
                 text = f"{9 if src == 'one' else 7} {1 if (src, i) == ('two', 5) else i}"
                 if tc.prompt_pattern is None or re.search(tc.prompt_pattern, text):
                     yield src, [dict(role="user", content=text), dict(role="assistant", content="x")]
 
-    monkeypatch.setattr(loop, "conversations", conversations)
+    monkeypatch.setattr(train_data, "conversations", conversations)
     model = type("M", (), dict(tokenizer=_Tokenizer()))()
-    tc = loop.TrainConfig(max_len=64)
+    tc = TrainConfig.of(max_len=64)
     prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3, seen_below=4)
     assert [p.tolist() for p in prompts] == [[1, 9, 4], [1, 9, 5], [1, 9, 6], [1, 7, 4], [1, 7, 6]]
     assert repeats == 1
-    coded = loop.TrainConfig(max_len=64, prompt_pattern="^9 [0-3]$")  # a run trained on a few of the first
+    coded = TrainConfig.of(max_len=64, prompt_pattern="^9 [0-3]$")  # a run trained on a few of the first
     assert [p.tolist() for p in heldout.heldout_prompts(model, coded, offset=4, count=3, seen_below=4)[0]] == \
         [p.tolist() for p in prompts]
     prompts, repeats = heldout.heldout_prompts(model, tc, offset=4, count=3)  # nothing to compare with
@@ -124,7 +125,7 @@ def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch)
 def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch, capsys):
     """A two-step train.main run and a copy of its run.json with a random start (no checkpoints: scored
     at its start only), scored on the target's replies to GSM8K's train conversations 8 and 9."""
-    monkeypatch.setattr(loop, "corpus_dir", lambda: tmp_path / "corpus")  # the held-out replies are generated here
+    monkeypatch.setattr(train_data, "corpus_dir", lambda: tmp_path / "corpus")  # the held-out replies are generated here
     run = tmp_path / "from-target"
     r = subprocess.run([sys.executable, "-m", "train.main", "--config", str(ROOT / "configs/train/smollm2-n8.yaml"),
                         "--mesh", "1x1", "--out", str(run), "sources=[gsm8k]", "limit=8", "buckets=[160]", "max_len=160",
@@ -148,7 +149,7 @@ def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch, 
     assert res["equal_positions"] == 0 and (tmp_path / "cmp" / "heldout.png").is_file()
 
     # the held-out set: the 10th conversation's first turn and the target's own greedy reply (cached)
-    tc = loop.TrainConfig.from_dict(rec["config"])
+    tc = TrainConfig.from_dict(rec["config"])
     seqs, repeats = heldout.heldout_set(smollm2, tc, 8, 2, seen_below=8)
     ids, mask = seqs[1]
     prompt = heldout.heldout_prompts(smollm2, tc, 8, 2, seen_below=8)[0][1]

@@ -184,7 +184,7 @@ def test_verified_fills_follow_the_engines_schedule(n):
     np.testing.assert_allclose(w, seen / seen.sum(), atol=0.01)
     with pytest.raises(ValueError, match="fill_accept"):
         fill_weights(4, 1.0)
-    from train.loop import TrainConfig
+    from train.config import TrainConfig
 
     assert TrainConfig.from_dict({"fill_accept": "0.3"}).fill_accept == 0.3
     for bad in ("often", 1.5, 0):

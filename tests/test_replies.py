@@ -104,15 +104,16 @@ def test_cli_from_the_training_sources(smollm2, tmp_path, capsys):
 
 
 def test_training_reads_the_finished_chunks(tiny, prompts, tmp_path):
-    from train import loop
+    from train import corpus as train_corpus
+    from train.config import TrainConfig
 
-    tc = loop.TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=40))
+    tc = TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=40))
     with pytest.raises(FileNotFoundError, match="no train.replies corpus there"):
-        loop.encode_corpus(tiny, tc)
+        train_corpus.encode_corpus(tiny, tc)
     replies.run(tiny, tmp_path, SETTINGS, chunks=1, show_progress=False)
-    seqs = loop.encode_corpus(tiny, tc)
+    seqs = train_corpus.encode_corpus(tiny, tc)
     assert len(seqs) == 9 and all(np.array_equal(a[0], b[0]) for a, b in zip(seqs, replies.read_corpus(tmp_path)))
     with pytest.raises(ValueError, match="over this run's max_len 32"):
-        loop.encode_corpus(tiny, loop.TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=32)))
+        train_corpus.encode_corpus(tiny, TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=32)))
     with pytest.raises(ValueError, match="drop responses='target'"):
-        loop.TrainConfig.from_dict(dict(replies=str(tmp_path), responses="target"))
+        TrainConfig.from_dict(dict(replies=str(tmp_path), responses="target"))

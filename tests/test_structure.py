@@ -414,10 +414,6 @@ def test_the_hash_pattern():
                          ) == []
 
 
-# Written in another branch of the same change (issue 47); an entry here only excuses the file's absence.
-PENDING = {"docs/train/runs.md", "configs/train/base.yaml"}
-
-
 def anchors(md: Path) -> set[str]:
     """The heading anchors GitHub makes for a markdown file: lower case, punctuation dropped, spaces to -."""
     heads = re.findall(r"^#+\s+(.*?)\s*$", md.read_text(), re.M)
@@ -435,8 +431,7 @@ def test_links_in_docs_resolve():
                 name, _, anchor = target.partition("#")
                 file = (path.parent / name).resolve() if name else path
                 if not file.exists():
-                    if file.relative_to(ROOT).as_posix() not in PENDING:
-                        bad.append(f"{path.relative_to(ROOT)}:{i}: {target}")
+                    bad.append(f"{path.relative_to(ROOT)}:{i}: {target}")
                 elif anchor and file.suffix == ".md" and anchor not in anchors(file):
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {target} (no such heading)")
     assert not bad, "links to files or headings that do not exist: " + ", ".join(bad)
@@ -452,6 +447,6 @@ def test_config_files_named_in_docs_exist():
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             for name in re.findall(r"\bconfigs/[\w./-]+\.ya?ml\b", line):
-                if not (ROOT / name).is_file() and name not in PENDING:
+                if not (ROOT / name).is_file():
                     bad.append(f"{rel}:{i}: {name}")
     assert not bad, "config files that do not exist: " + ", ".join(bad)

@@ -22,7 +22,16 @@ from spd_jax.decode import pipelined
 from spd_jax.sharding import data_model_mesh, parse_mesh
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
-from train import loop
+from spd_jax.drafters.base import join_params
+from spd_jax.reports.plots import plot_curves
+from spd_jax.reports.results import read_rows
+from train import checkpoints as train_checkpoints
+from train import corpus as train_corpus
+from train import data as train_data
+from train import quick_eval as train_quick_eval
+from train import step as train_step
+from train import config as train_config
+from train.config import TrainConfig
 from tolerances import CACHED_VS_FULL, assert_close
 from train.data import read_sharegpt
 from train.features import TeacherCache
@@ -56,10 +65,10 @@ def _corpus(vocab, n=40, seed=0):
 
 
 def _setup(model, n=4, **kw):
-    tc = loop.TrainConfig(model=str(model.path), n=n, psm_layers=2, buckets=(48,), max_len=48,
+    tc = TrainConfig.of(model=str(model.path), n=n, psm_layers=2, buckets=(48,), max_len=48,
                           **(dict(batch_size=8, warmup=5, steps=30, lr=3e-3) | kw))
     spec = PSMConfig.for_target(model.config, pipelined.plan_for(model, n).counts, tc.psm_layers)
-    return tc, spec, loop.make_optimizer(tc)
+    return tc, spec, train_step.make_optimizer(tc)
 
 
 _steps = {}  # one compiled step per (model, mesh): the tests differ in data and state, not in program
@@ -67,12 +76,12 @@ _steps = {}  # one compiled step per (model, mesh): the tests differ in data and
 
 def _run(model, tc, spec, opt, mesh_str, steps, state=None, frozen=None, start=0):
     if state is None:
-        state, frozen = loop.init_state(model, spec, tc, opt)
+        state, frozen = train_step.init_state(model, spec, tc, opt)
     key = (str(model.path), mesh_str, tc.batch_size, tc.grad_accum)
     if key not in _steps:
-        _steps[key] = loop.make_step(model.config, spec, tc, opt, data_model_mesh(*parse_mesh(mesh_str)))
+        _steps[key] = train_step.make_step(model.config, spec, tc, opt, data_model_mesh(*parse_mesh(mesh_str)))
     step = _steps[key]
-    batches = loop.Batches(_corpus(model.config.vocab_size), tc)
+    batches = train_corpus.Batches(_corpus(model.config.vocab_size), tc)
     losses = []
     for i in range(start, start + steps):  # update i takes micro-batches i * grad_accum .. as train.main does
         micro = [batches.get(i * tc.grad_accum + m) for m in range(tc.grad_accum)]
@@ -94,13 +103,13 @@ def test_draft_vocabulary_ids():
     ids = np.array([5, 1, 2, 2, 3, 3, 3, 4, 4, 4, 4], np.int32)
     mask = np.ones(len(ids), bool)
     mask[:2] = False  # tokens 5 (not predicted) and 1 (prompt only) are not response tokens
-    got = loop.draft_vocab_ids([(ids, mask)], 3, 8, always=(7,))
+    got = train_corpus.draft_vocab_ids([(ids, mask)], 3, 8, always=(7,))
     assert got.tolist() == [3, 4, 7]  # the two most frequent response tokens, then EOS in place of 2
-    assert loop.draft_vocab_ids([(ids, mask)], 4, 8).tolist() == [0, 2, 3, 4]  # ties to the lower id
+    assert train_corpus.draft_vocab_ids([(ids, mask)], 4, 8).tolist() == [0, 2, 3, 4]  # ties to the lower id
     with pytest.raises(ValueError, match="draft_vocab 9"):
-        loop.draft_vocab_ids([(ids, mask)], 9, 8)
+        train_corpus.draft_vocab_ids([(ids, mask)], 9, 8)
     with pytest.raises(ValueError, match="cannot hold the 2 tokens"):
-        loop.draft_vocab_ids([(ids, mask)], 1, 8, always=(6, 7))
+        train_corpus.draft_vocab_ids([(ids, mask)], 1, 8, always=(6, 7))
 
 
 def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
@@ -111,10 +120,10 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     plan = pipelined.plan_for(llama, 2)
     spec = PSMConfig.for_target(cfg, plan.counts, tc.psm_layers, draft_vocab=tc.draft_vocab)
     corpus = _corpus(cfg.vocab_size)
-    ids = loop.draft_vocab_ids(corpus, spec.draft_vocab, cfg.vocab_size, llama.eos_token_ids)
-    state, frozen = loop.init_state(llama, spec, tc, opt, ids)
-    step = loop.make_step(cfg, spec, tc, opt, data_model_mesh(1, 1))
-    batches = loop.Batches(corpus, tc)
+    ids = train_corpus.draft_vocab_ids(corpus, spec.draft_vocab, cfg.vocab_size, llama.eos_token_ids)
+    state, frozen = train_step.init_state(llama, spec, tc, opt, ids)
+    step = train_step.make_step(cfg, spec, tc, opt, data_model_mesh(1, 1))
+    batches = train_corpus.Batches(corpus, tc)
     losses = []
     for i in range(12):
         state, met = step(state, frozen, llama.params, batches.get(i))
@@ -123,7 +132,7 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
 
     from spd_jax.drafters.psm import save_psm
 
-    v = loop.join_params(state["params"], frozen)
+    v = join_params(state["params"], frozen)
     save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,
              extra=dict(head="shared"))
     spec2, v2 = load_psm(tmp_path / "psm", cfg, plan.counts, llama.params)
@@ -145,11 +154,11 @@ def test_meshes_give_the_same_losses(llama):
         assert_close(runs[m], runs["1x1"], CACHED_VS_FULL, what=f"losses on {m} vs 1x1")
     # on 4x2 a device holds half of each MLP matrix and of the vocabulary, and a quarter of a batch
     mesh = data_model_mesh(4, 2)
-    target = jax.device_put(llama.params, loop.target_shardings(llama.config, mesh))
+    target = jax.device_put(llama.params, train_step.target_shardings(llama.config, mesh))
     I, V = llama.config.intermediate_size, llama.config.vocab_size
     assert {s.data.shape[-1] for s in target["layers"]["attention"]["w_gate"].addressable_shards} == {I // 2}
     assert {s.data.shape[0] for s in target["embed"].addressable_shards} == {V // 2}
-    assert loop.batch_sharding(mesh).shard_shape((8, 48)) == (2, 48)
+    assert train_step.batch_sharding(mesh).shard_shape((8, 48)) == (2, 48)
 
 
 def test_gradient_accumulation_takes_the_whole_batch_step(llama):
@@ -157,17 +166,17 @@ def test_gradient_accumulation_takes_the_whole_batch_step(llama):
     sequences at once: the token-weighted mean over the update's positions, the same fills per sequence,
     the summed metrics; the optimiser's schedule counts updates."""
     tc8, spec, opt = _setup(llama)
-    tc4 = dataclasses.replace(tc8, batch_size=4, grad_accum=2)
+    tc4 = tc8.replace(batch_size=4, grad_accum=2)
     mesh = data_model_mesh(4, 1)
     corpus = _corpus(llama.config.vocab_size)
-    b4 = loop.Batches(corpus, tc4)
+    b4 = train_corpus.Batches(corpus, tc4)
     micro = [b4.get(0), b4.get(1)]
-    whole = loop.pad_batch([corpus[k] for k in np.concatenate([b4.indices(0), b4.indices(1)])], tc8.buckets)
+    whole = train_corpus.pad_batch([corpus[k] for k in np.concatenate([b4.indices(0), b4.indices(1)])], tc8.buckets)
     assert micro[0]["tokens"].shape[0] == 4 and whole["tokens"].shape[0] == 8
     states = {}
     for name, tc, batch in (("accumulated", tc4, micro), ("whole", tc8, whole)):
-        state, frozen = loop.init_state(llama, spec, tc, loop.make_optimizer(tc))
-        step = loop.make_step(llama.config, spec, tc, loop.make_optimizer(tc), mesh)
+        state, frozen = train_step.init_state(llama, spec, tc, train_step.make_optimizer(tc))
+        step = train_step.make_step(llama.config, spec, tc, train_step.make_optimizer(tc), mesh)
         for _ in range(2):  # the second update also compares the optimiser's moments and schedule
             state, met = step(state, frozen, llama.params, batch)
         states[name] = (state, met)
@@ -179,7 +188,7 @@ def test_gradient_accumulation_takes_the_whole_batch_step(llama):
     for a, b in zip(jax.tree.leaves(acc["params"]), jax.tree.leaves(one["params"])):
         assert_close(np.asarray(a), np.asarray(b), CACHED_VS_FULL, depth=llama.config.num_layers, what="params")
     with pytest.raises(ValueError, match="takes grad_accum=2 micro-batches, got 1"):
-        loop.make_step(llama.config, spec, tc4, loop.make_optimizer(tc4), mesh)(acc, frozen, llama.params, micro[0])
+        train_step.make_step(llama.config, spec, tc4, train_step.make_optimizer(tc4), mesh)(acc, frozen, llama.params, micro[0])
 
 
 def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
@@ -194,17 +203,17 @@ def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
     assert_close(np.asarray(top1_ce(jnp.asarray(student), jnp.asarray(teacher))), want, CACHED_VS_FULL, what="top1_ce")
 
     tc, spec, opt = _setup(llama)
-    state, frozen = loop.init_state(llama, spec, tc, opt)
-    batch = loop.Batches(_corpus(llama.config.vocab_size), tc).get(0)
+    state, frozen = train_step.init_state(llama, spec, tc, opt)
+    batch = train_corpus.Batches(_corpus(llama.config.vocab_size), tc).get(0)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(8))
-    out = {w: jax.jit(loop.loss_fn(llama.config, spec, dataclasses.replace(tc, hard_weight=w)))(
+    out = {w: jax.jit(train_step.loss_fn(llama.config, spec, tc.replace(hard_weight=w)))(
         state["params"], frozen, llama.params, batch, keys) for w in (0.0, 0.5, 1.0)}
     (soft, sums), (half, sums_half), (one, _) = out[0.0], out[0.5], out[1.0]
     assert float(soft) == float(sums["kl_sum"]) == float(sums_half["kl_sum"])
     ce = float(one) - float(soft)  # the summed cross-entropy over the loss positions
     assert ce > 0 and float(half) - float(soft) == pytest.approx(0.5 * ce, rel=1e-5)
     with pytest.raises(ValueError, match="hard_weight is a term of the PSM's loss"):
-        loop.TrainConfig.from_dict(dict(method="eagle3", hard_weight=0.5))
+        TrainConfig.from_dict(dict(method="eagle3", hard_weight=0.5))
 
     # over a draft vocabulary, only where the teacher's own token is in it: a vocabulary without any of
     # the teacher's tokens at the loss positions gets no hard term, one with all of them gets it
@@ -222,8 +231,8 @@ def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
     with_all = np.array(sorted(wanted | set(without[:V - len(wanted)].tolist())), np.int32)
     spec_v = PSMConfig.for_target(cfg, spec.plan, tc.psm_layers, draft_vocab=V)
     for ids, gets_term in ((without, False), (with_all, True)):
-        state_v, frozen_v = loop.init_state(llama, spec_v, tc, opt, ids)
-        losses = [float(jax.jit(loop.loss_fn(cfg, spec_v, dataclasses.replace(tc, hard_weight=w)))(
+        state_v, frozen_v = train_step.init_state(llama, spec_v, tc, opt, ids)
+        losses = [float(jax.jit(train_step.loss_fn(cfg, spec_v, tc.replace(hard_weight=w)))(
             state_v["params"], frozen_v, llama.params, batch, keys)[0]) for w in (0.0, 1.0)]
         assert (losses[1] > losses[0]) == gets_term and (losses[1] == losses[0]) != gets_term, (ids, losses)
 
@@ -237,10 +246,10 @@ def test_checkpoint_roundtrip_and_resume(llama, tmp_path, grad_accum):
     straight, _, l_straight = _run(deep, tc, spec, opt, "8x1", 4)
 
     state, frozen, l_first = _run(deep, tc, spec, opt, "8x1", 2)
-    ck = loop.Checkpoints(tmp_path / "ckpt", tc)
+    ck = train_checkpoints.Checkpoints(tmp_path / "ckpt", tc)
     ck.save(2, state, dict(positions=123, wall_s=1.0))
     saved = jax.tree.map(np.asarray, state)
-    restored, meta = loop.Checkpoints(tmp_path / "ckpt", tc).restore(2, jax.eval_shape(lambda: state))
+    restored, meta = train_checkpoints.Checkpoints(tmp_path / "ckpt", tc).restore(2, jax.eval_shape(lambda: state))
     assert meta == dict(positions=123, wall_s=1.0)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored)):
         assert a.dtype == b.dtype and np.array_equal(a, np.asarray(b))  # bit-exact
@@ -257,19 +266,19 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
     tc, spec, opt = _setup(llama)
     _, _, want = _run(llama, tc, spec, opt, "8x1", 10)
     corpus = _corpus(llama.config.vocab_size)
-    batches = loop.Batches(corpus, tc)
+    batches = train_corpus.Batches(corpus, tc)
     assert len(batches) == 5  # 40 sequences of batch 8: steps 5 .. 9 are the second epoch
     cache = TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32")
     mesh = data_model_mesh(8, 1)
-    teacher = loop.make_teacher(llama.config, spec, mesh)
+    teacher = train_step.make_teacher(llama.config, spec, mesh)
     forwards = []
 
     def forward(tokens):
         forwards.append(1)
         return teacher(llama.params, tokens)  # as train.main passes it: device arrays
 
-    state, frozen = loop.init_state(llama, spec, tc, opt)
-    step = loop.make_step(llama.config, spec, tc, opt, mesh)
+    state, frozen = train_step.init_state(llama, spec, tc, opt)
+    step = train_step.make_step(llama.config, spec, tc, opt, mesh)
     got = []
     for i in range(10):
         b = batches.get(i)
@@ -311,17 +320,17 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     again.get([1], 3, lambda: calls.append(1) or (h[1:, :3], x[1:, :3]))
     assert calls == [1] and again.coverage() == 1.0
     with pytest.raises(ValueError, match="method 'eagle3' reads other features"):
-        loop.TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))
+        TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))
 
 
 def test_interrupted_save_resumes_from_the_previous_step(llama, tmp_path):
     tc, spec, opt = _setup(llama)
     state, _, _ = _run(llama, tc, spec, opt, "1x1", 1)
-    ck = loop.Checkpoints(tmp_path / "ckpt", tc)
+    ck = train_checkpoints.Checkpoints(tmp_path / "ckpt", tc)
     ck.save(1, state, dict(positions=1, wall_s=0.0))
     # what a kill mid-save leaves behind: orbax's temporary directory for step 2
     (tmp_path / "ckpt" / "2.orbax-checkpoint-tmp-1234").mkdir()
-    assert loop.Checkpoints(tmp_path / "ckpt", tc).latest() == 1
+    assert train_checkpoints.Checkpoints(tmp_path / "ckpt", tc).latest() == 1
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads left in flight
@@ -331,7 +340,7 @@ def test_a_damaged_checkpoint_is_named_with_the_step_before_it(llama, tmp_path):
     one): restoring it names it and the kept step to fall back to; the files are left as they were."""
     tc, spec, opt = _setup(llama)
     state, _, _ = _run(llama, tc, spec, opt, "1x1", 1)
-    ck = loop.Checkpoints(tmp_path / "ckpt", tc)
+    ck = train_checkpoints.Checkpoints(tmp_path / "ckpt", tc)
     for step in (1, 2):
         ck.save(step, state, dict(positions=step, wall_s=0.0))
     data = max((p for p in (tmp_path / "ckpt" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -353,11 +362,11 @@ def test_a_damaged_checkpoint_is_named_with_the_step_before_it(llama, tmp_path):
 def test_a_damaged_corpus_cache_is_named(tmp_path):
     seqs = [(np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], bool))]
     path = tmp_path / "corpus-x.npz"
-    loop.save_sequences(seqs, path)
-    assert all((a == b).all() for s, t in zip(loop.load_sequences(path), seqs) for a, b in zip(s, t))
+    train_data.save_sequences(seqs, path)
+    assert all((a == b).all() for s, t in zip(train_data.load_sequences(path), seqs) for a, b in zip(s, t))
     path.write_bytes(path.read_bytes()[:40])
     with pytest.raises(ValueError, match=rf"cached corpus {path} does not read .*delete it and the next run builds"):
-        loop.load_sequences(path)
+        train_data.load_sequences(path)
 
 
 def test_mismatched_psm_is_refused(llama, tiny_ckpt):
@@ -383,57 +392,64 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
 
     tc, spec, opt = _setup(llama)
     state, frozen, _ = _run(llama, tc, spec, opt, "1x1", 3)
-    v = loop.join_params(state["params"], frozen)
+    v = join_params(state["params"], frozen)
     save_psm(tmp_path / "psm", {**v, "params": {k: x for k, x in v["params"].items() if k != "lm_head"}}, spec,
              extra=dict(head="shared"))
     trained = state["params"]
     for n in (4, 2):  # n = 2: another plan, so another staircase; the shapes are the same
-        tc2 = dataclasses.replace(tc, n=n, init_from=str(tmp_path / "psm"))
+        tc2 = tc.replace(n=n, init_from=str(tmp_path / "psm"))
         spec2 = PSMConfig.for_target(llama.config, pipelined.plan_for(llama, n).counts, tc2.psm_layers)
         assert (spec2.plan == spec.plan) == (n == 4)
-        with caplog.at_level("WARNING", logger="train.loop"):
+        with caplog.at_level("WARNING", logger="train.checkpoints"):
             caplog.clear()
-            warm, _ = loop.init_state(llama, spec2, tc2, loop.make_optimizer(tc2))
+            warm, _ = train_step.init_state(llama, spec2, tc2, train_step.make_optimizer(tc2))
         assert ("a warm start only" in caplog.text) == (n != 4)
         assert set(warm["params"]) == set(trained) and int(warm["step"]) == 0
         for k in trained:
             assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), warm["params"][k], trained[k])), k
-    fresh, _ = loop.init_state(llama, spec, tc, opt)
+    fresh, _ = train_step.init_state(llama, spec, tc, opt)
     assert not np.array_equal(fresh["params"]["proj_0"]["kernel"], trained["proj_0"]["kernel"])
     with pytest.raises(ValueError, match="has 2 PSM layers, this run 1; set psm_layers=2"):
-        tc1 = dataclasses.replace(tc, psm_layers=1, init_from=str(tmp_path / "psm"))
-        loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 1), tc1, opt)
-    tc3 = dataclasses.replace(tc, init_from=str(tmp_path / "psm"))
+        tc1 = tc.replace(psm_layers=1, init_from=str(tmp_path / "psm"))
+        train_step.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 1), tc1, opt)
+    tc3 = tc.replace(init_from=str(tmp_path / "psm"))
     with pytest.raises(ValueError, match=r"reads 5 anchors \[0, 2, 4, 6, 7\], this run 3"):
-        loop.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 2, anchors=(0, 4, 7)), tc3, opt)
+        train_step.init_state(llama, PSMConfig.for_target(llama.config, spec.plan, 2, anchors=(0, 4, 7)), tc3, opt)
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PSMCheckpointError, match="another model"):
-        loop.init_state(other, PSMConfig.for_target(other.config, spec.plan, 2), tc3, opt)
-    # the warm-started run's export records what init_from held when the run started
-    from train import main as train_main
-
-    rec = loop.warm_start_record(tmp_path / "psm")
+        train_step.init_state(other, PSMConfig.for_target(other.config, spec.plan, 2), tc3, opt)
+    # the warm-started run's export records what init_from held when the run started: its weights' digest
+    rec = train_checkpoints.warm_start_record(tmp_path / "psm")
     assert rec == dict(path=str(tmp_path / "psm"), plan=list(spec.plan), anchors=list(spec.anchors))
-    warm, frozen = loop.init_state(llama, spec, tc3, opt)
-    train_main._export(tmp_path / "psm2", loop.join_params(warm["params"], frozen), spec, tc3, {}, "1x1", 0, 0, 0.0,
+    params, rec = train_checkpoints.warm_start(llama, spec, tc3)
+    digest = train_checkpoints.weights_digest({k: v for k, v in trained.items() if k in params})
+    assert rec == dict(path=str(tmp_path / "psm"), digest=digest, plan=list(spec.plan), anchors=list(spec.anchors))
+    assert digest.startswith("sha256:") and train_checkpoints.weights_digest(params) == digest
+    # a config naming the digest starts from those bytes, or is refused naming both digests and the fix
+    assert train_checkpoints.warm_start(llama, spec, tc3.replace(init_digest=digest))[1]["digest"] == digest
+    with pytest.raises(ValueError, match=rf"digest {digest}, this config expects init_digest=sha256:0000000000000000"
+                                         rf".*Point init_from at .*init_digest={digest}"):
+        train_step.init_state(llama, spec, tc3.replace(init_digest="sha256:0000000000000000"), opt)
+    warm, frozen = train_step.init_state(llama, spec, tc3, opt)
+    train_checkpoints.export(tmp_path / "psm2", join_params(warm["params"], frozen), spec, tc3, {}, "1x1", 0, 0, 0.0,
                        llama.weights_fingerprint, rec)
     exported = json.loads((tmp_path / "psm2" / "psm.json").read_text())
     assert exported["trained"]["warm_start"] == rec and exported["target_weights"] == llama.weights_fingerprint
-    assert loop.warm_start_record(tmp_path / "psm2")["warm_start"] == rec  # a chain stays whole
+    assert train_checkpoints.warm_start_record(tmp_path / "psm2")["warm_start"] == rec  # a chain stays whole
 
 
 def test_eagle3_trains_through_the_same_step(llama, tmp_path):
-    """method=eagle3: the training-time-test loss falls through `loop.make_step` (the same optimiser and
+    """method=eagle3: the training-time-test loss falls through `train_step.make_step` (the same optimiser and
     batches as the PSM's), metrics carry the first step's agreement and per-step agreement, the quick
     eval measures tokens per round, and the export loads and decodes exactly `ar`'s tokens."""
-    tc = loop.TrainConfig(model=str(llama.path), method="eagle3", ttt_steps=3, eval_k=3, buckets=(48,), max_len=48,
+    tc = TrainConfig.of(model=str(llama.path), method="eagle3", ttt_steps=3, eval_k=3, buckets=(48,), max_len=48,
                           batch_size=8, warmup=5, steps=30, lr=3e-3, eval_tokens=12)
-    spec = loop.drafter_spec(llama, tc)
-    assert isinstance(spec, eagle3.Eagle3Config) and loop.export_name(spec) == "drafter"
-    opt = loop.make_optimizer(tc)
-    state, frozen = loop.init_state(llama, spec, tc, opt)
-    step = loop.make_step(llama.config, spec, tc, opt, data_model_mesh(2, 1))
-    batches = loop.Batches(_corpus(llama.config.vocab_size), tc)
+    spec = train_step.drafter_spec(llama, tc)
+    assert isinstance(spec, eagle3.Eagle3Config) and train_checkpoints.export_name(spec) == "drafter"
+    opt = train_step.make_optimizer(tc)
+    state, frozen = train_step.init_state(llama, spec, tc, opt)
+    step = train_step.make_step(llama.config, spec, tc, opt, data_model_mesh(2, 1))
+    batches = train_corpus.Batches(_corpus(llama.config.vocab_size), tc)
     losses = []
     for i in range(20):
         batch = batches.get(i)
@@ -443,12 +459,12 @@ def test_eagle3_trains_through_the_same_step(llama, tmp_path):
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
     assert met["agreement_by_step"].shape == (3,) and float(met["agreement"]) == float(met["agreement_by_step"][0])
 
-    variables = loop.join_params(state["params"], frozen)
+    variables = join_params(state["params"], frozen)
     prompts = [ids[:12] for ids, _ in _corpus(llama.config.vocab_size, n=2, seed=1)]
-    ev = loop.quick_eval(llama, spec, variables, prompts, tc)
+    ev = train_quick_eval.quick_eval(llama, spec, variables, prompts, tc)
     # a repeated phrase: the trained drafter's drafts are accepted
     assert ev["eval_k"] == 3 and ev["tokens_per_round"] == ev["eval_tokens"] / ev["eval_rounds"] > 1
-    loop.save_drafter(tmp_path / "drafter", variables, spec, dict(trained=dict(method="eagle3", steps=20)))
+    train_checkpoints.save_drafter(tmp_path / "drafter", variables, spec, dict(trained=dict(method="eagle3", steps=20)))
     meta = json.loads((tmp_path / "drafter" / "eagle3.json").read_text())
     assert meta["head"] == "shared" and meta["trained"]["method"] == "eagle3"
     want = spd_jax.generate(llama, prompts[1], 16, stop_at_eos=False).token_ids
@@ -465,50 +481,50 @@ def test_resume_refuses_another_method(llama):
     """The run identity holds the method: a PSM run is not resumed as an EAGLE-3 one (nor the reverse);
     a run.json written before the method switch is a PSM run."""
     psm_tc, psm_spec, _ = _setup(llama)
-    e3_tc = loop.TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3"))
-    psm_id = json.loads(json.dumps(loop.run_identity(llama, psm_spec, psm_tc)))
-    e3_id = json.loads(json.dumps(loop.run_identity(llama, loop.drafter_spec(llama, e3_tc), e3_tc)))
+    e3_tc = TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3"))
+    psm_id = json.loads(json.dumps(train_checkpoints.run_identity(llama, psm_spec, psm_tc)))
+    e3_id = json.loads(json.dumps(train_checkpoints.run_identity(llama, train_step.drafter_spec(llama, e3_tc), e3_tc)))
     assert psm_id["method"] == "psm" and e3_id["method"] == "eagle3"
-    loop.check_resume(psm_id, psm_id)
-    loop.check_resume(e3_id, e3_id)
+    train_checkpoints.check_resume(psm_id, psm_id)
+    train_checkpoints.check_resume(e3_id, e3_id)
     old = {k: v for k, v in psm_id.items() if k != "method"}  # an older run.json
-    loop.check_resume(old, psm_id)
+    train_checkpoints.check_resume(old, psm_id)
     with pytest.raises(ValueError, match="it trained method 'psm'; this config trains method 'eagle3'"):
-        loop.check_resume(old, e3_id)
+        train_checkpoints.check_resume(old, e3_id)
     with pytest.raises(ValueError, match="it trained method 'eagle3'; this config trains method 'psm'"):
-        loop.check_resume(e3_id, psm_id)
-    other = loop.TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3", feature_layers="1,4,6"))
+        train_checkpoints.check_resume(e3_id, psm_id)
+    other = TrainConfig.from_dict(dict(model=str(llama.path), method="eagle3", feature_layers="1,4,6"))
     with pytest.raises(ValueError, match="was trained for"):
-        loop.check_resume(e3_id, json.loads(json.dumps(loop.run_identity(llama, loop.drafter_spec(llama, other),
+        train_checkpoints.check_resume(e3_id, json.loads(json.dumps(train_checkpoints.run_identity(llama, train_step.drafter_spec(llama, other),
                                                                           other))))
     with pytest.raises(ValueError, match="method must be one of psm, eagle3"):
-        loop.TrainConfig.from_dict(dict(method="medusa"))
+        TrainConfig.from_dict(dict(method="medusa"))
 
 
 def test_resume_keeps_the_runs_data():
     """A resume may change the schedule or the logging, not the data or its order (DATA_KEYS)."""
     was = dict(sources=["gsm8k"], limit=400, steps=60, lr=3e-4)
-    loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, steps=3000, lr=1e-4, save_every=5)))
+    train_checkpoints.check_same_data(was, TrainConfig.from_dict(dict(was, steps=3000, lr=1e-4, save_every=5)))
     with pytest.raises(ValueError, match=r"it trained with limit=400, this command sets limit=None: a resume keeps"):
-        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, limit=None)))
+        train_checkpoints.check_same_data(was, TrainConfig.from_dict(dict(was, limit=None)))
     with pytest.raises(ValueError, match=r"responses='dataset', seed=0, this command sets responses='target', seed=1"):
-        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, responses="target", seed=1)))
+        train_checkpoints.check_same_data(was, TrainConfig.from_dict(dict(was, responses="target", seed=1)))
 
 
 def test_skip_reads_a_later_slice_of_each_source():
     """skip=s limit=l: conversations s .. s+l-1 of every source (a new round of self-distillation answers
     prompts the last one did not); it names another corpus, and a resume must keep it."""
-    first = list(loop.conversations(loop.TrainConfig(sources=("gsm8k",), limit=5)))
-    later = list(loop.conversations(loop.TrainConfig(sources=("gsm8k",), skip=3, limit=2)))
+    first = list(train_data.conversations(TrainConfig.of(sources=("gsm8k",), limit=5)))
+    later = list(train_data.conversations(TrainConfig.of(sources=("gsm8k",), skip=3, limit=2)))
     assert later == first[3:5]
-    total = sum(1 for _ in loop.conversations(loop.TrainConfig(sources=("gsm8k",))))
-    rest = loop.conversations(loop.TrainConfig(sources=("gsm8k",), skip=total - 2))  # no limit: the rest
+    total = sum(1 for _ in train_data.conversations(TrainConfig.of(sources=("gsm8k",))))
+    rest = train_data.conversations(TrainConfig.of(sources=("gsm8k",), skip=total - 2))  # no limit: the rest
     assert len(list(rest)) == 2
     with pytest.raises(ValueError, match="skip must be >= 0"):
-        loop.TrainConfig.from_dict(dict(skip=-1))
+        TrainConfig.from_dict(dict(skip=-1))
     was = dict(sources=["gsm8k"], limit=400, skip=400)
     with pytest.raises(ValueError, match="it trained with skip=400, this command sets skip=0"):
-        loop.check_same_data(was, loop.TrainConfig.from_dict(dict(was, skip=0)))
+        train_checkpoints.check_same_data(was, TrainConfig.from_dict(dict(was, skip=0)))
 
 
 def test_prompt_pattern_keeps_the_matching_first_turns_of_the_slice():
@@ -518,18 +534,18 @@ def test_prompt_pattern_keeps_the_matching_first_turns_of_the_slice():
     from types import SimpleNamespace
 
     base = dict(sources=("gsm8k",), skip=2, limit=40)
-    sliced = list(loop.conversations(loop.TrainConfig(**base)))
-    kept = list(loop.conversations(loop.TrainConfig(**base, prompt_pattern=r"(?i)\bhow many\b")))
+    sliced = list(train_data.conversations(TrainConfig.of(**base)))
+    kept = list(train_data.conversations(TrainConfig.of(**base, prompt_pattern=r"(?i)\bhow many\b")))
     want = [c for c in sliced if re.search(r"(?i)\bhow many\b", c[1][0]["content"])]
     assert kept == want and 0 < len(kept) < len(sliced)
     model = SimpleNamespace(path="m", tokenizer=SimpleNamespace(chat_template="t"))
-    keys = {loop.corpus_key(model, loop.TrainConfig(**base, prompt_pattern=p)) for p in (None, "a", "b")}
+    keys = {train_data.corpus_key(model, TrainConfig.of(**base, prompt_pattern=p)) for p in (None, "a", "b")}
     assert len(keys) == 3
-    assert loop.corpus_key(model, loop.TrainConfig(**base)) == hashlib_key(model, base)
+    assert train_data.corpus_key(model, TrainConfig.of(**base)) == hashlib_key(model, base)
     with pytest.raises(ValueError, match="prompt_pattern '\\(' is not a regular expression"):
-        loop.TrainConfig.from_dict(dict(prompt_pattern="("))
+        TrainConfig.from_dict(dict(prompt_pattern="("))
     with pytest.raises(ValueError, match="prompt_pattern"):
-        loop.check_same_data(dict(base, prompt_pattern="a"), loop.TrainConfig.from_dict(dict(base, prompt_pattern="b")))
+        train_checkpoints.check_same_data(dict(base, prompt_pattern="a"), TrainConfig.from_dict(dict(base, prompt_pattern="b")))
 
 
 def hashlib_key(model, cfg: dict) -> str:
@@ -544,14 +560,53 @@ def hashlib_key(model, cfg: dict) -> str:
 def test_eagle3_config_matches_the_psm_data():
     """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
     positions mean equal data (the draft vocabulary is a choice of head, not of data)."""
-    import yaml
-
     same = ("model", "sources", "limit", "max_len", "buckets", "batch_size", "grad_accum", "steps", "lr", "warmup",
             "weight_decay", "clip", "tau", "seed", "heldout")
-    psm = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-n8.yaml").read_text()))
-    e3 = loop.TrainConfig.from_dict(yaml.safe_load((ROOT / "configs/train/smollm2-eagle3.yaml").read_text()))
-    assert e3.method == "eagle3" and psm.method == "psm"
-    assert {k: getattr(e3, k) for k in same} == {k: getattr(psm, k) for k in same}
+    psm = train_config.load(ROOT / "configs/train/smollm2-n8.yaml")[0].to_flat()
+    e3 = train_config.load(ROOT / "configs/train/smollm2-eagle3.yaml")[0].to_flat()
+    assert e3["method"] == "eagle3" and psm["method"] == "psm"
+    assert {k: e3[k] for k in same} == {k: psm[k] for k in same}
+
+
+def test_base_holds_every_default_and_recipes_only_differences():
+    """configs/train/base.yaml states every key once, at the dataclasses' defaults; there are at most five
+    recipes, each naming it as base_config and stating only values that differ from it."""
+    import yaml
+
+    base = train_config.read_yaml(ROOT / "configs/train/base.yaml")
+    assert base == TrainConfig().to_flat()
+    recipes = sorted(p for p in (ROOT / "configs/train").glob("*.yaml") if p.name != "base.yaml")
+    assert [p.name for p in recipes] == ["smollm2-eagle3.yaml", "smollm2-n4.yaml", "smollm2-n8-distill.yaml",
+                                         "smollm2-n8-h200.yaml", "smollm2-n8.yaml"]
+    for p in recipes:
+        d = yaml.safe_load(p.read_text())
+        assert d.pop("base_config") == "base.yaml", p
+        tc = TrainConfig.from_dict(d)
+        same = [k for k, v in train_config.flatten(d).items() if base[k] == tc.to_flat()[k]]
+        assert not same, f"{p.name} restates defaults {same}"
+
+
+def test_one_loader_takes_flat_nested_and_dotted_keys(tmp_path):
+    """A file may nest keys in sections or keep them flat, an override may name the section; a key given
+    twice, an unknown one or a value of the wrong type is one ConfigError naming it and the fix."""
+    flat = TrainConfig.from_dict(dict(model="m", n=4, lr="3e-4", stages="2,2,2,2"))
+    nested = TrainConfig.from_dict(dict(model=dict(name="m"), drafter=dict(n=4, stages=[2, 2, 2, 2]),
+                                        optimiser=dict(lr=3e-4)))
+    dotted = TrainConfig.from_dict({"model.name": "m", "drafter.n": 4, "optimiser.lr": 3e-4, "stages": [2, 2, 2, 2]})
+    assert flat == nested == dotted and flat.optimiser.lr == flat.lr == 3e-4 and flat.model.name == "m"
+    assert flat.replace(lr=1e-3).optimiser.lr == 1e-3 and TrainConfig.from_dict(flat.to_flat()) == flat
+    for bad, needle in ((dict(lr=1e-4, optimiser=dict(lr=2e-4)), "optimiser.lr sets lr a second time"),
+                        (dict(optimiser=dict(rate=1)), "unknown training config keys ['optimiser.rate']"),
+                        (dict(layers_from_target="yes"), "layers_from_target='yes' is not true or false"),
+                        (dict(steps=2.5), "steps=2.5 is not an integer"),
+                        (dict(init_digest="sha256:0123456789abcdef"), "init_from is not set"),
+                        (dict(init_from="x", init_digest="md5:1"), "is not a weights digest")):
+        with pytest.raises(train_config.ConfigError, match=re.escape(needle)):
+            TrainConfig.from_dict(bad)
+    (tmp_path / "r.yaml").write_text("base_config: base.yaml\nlr: 2.0e-4\n")
+    (tmp_path / "base.yaml").write_text("optimiser:\n  lr: 1.0e-4\n  steps: 7\n")
+    tc, resolved = train_config.load(tmp_path / "r.yaml", ["run.seed=3", "n=4"], steps=9)
+    assert (tc.lr, tc.steps, tc.seed, tc.n) == (2e-4, 9, 3, 4) and resolved == tc.to_flat()
 
 
 def test_sharegpt_reads_to_the_last_whole_record(tmp_path):
@@ -678,6 +733,36 @@ def test_curves_leave_out_the_quick_eval_panel_of_a_run_without_one(tmp_path):
         if with_eval:
             rows[-1] |= dict(alpha=0.2, S0=1.5)
         (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        loop.plot_curves(tmp_path / "m.jsonl", tmp_path / "c.png")
+        plot_curves(read_rows(tmp_path / "m.jsonl"), tmp_path / "c.png")
         widths.append(Image.open(tmp_path / "c.png").size[0])
     assert widths[0] < widths[1]  # two panels, then three
+
+
+def test_train_modules_import_no_cycle():
+    """train/'s modules import each other one way (config <- data <- distill, replies <- corpus; config <-
+    checkpoints <- step <- loop <- main), at module top, and none imports infer (card.py, the report code
+    moving to spd_jax.reports, aside)."""
+    import ast
+
+    graph = {}
+    for path in sorted(p for p in (ROOT / "train").glob("*.py") if p.name != "card.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in tree.body:  # module top only: imports inside functions hide the graph
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "train":
+                    deps |= {a.name for a in node.names}
+                elif node.module.startswith("train."):
+                    deps.add(node.module.split(".")[1])
+                assert not node.module.startswith("infer"), path.name
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("infer") for a in node.names), path.name
+        graph[path.stem] = deps - {path.stem}
+
+    def visit(m, stack):
+        assert m not in stack, f"import cycle: {' -> '.join(stack + [m])}"
+        for d in graph.get(m, ()):
+            visit(d, stack + [m])
+
+    for m in graph:
+        visit(m, [])

@@ -38,13 +38,14 @@ from pathlib import Path
 
 from spd_jax.reports.cards import KINDS, kind_of, write_card
 from spd_jax.reports.results import read_rows
-from train.loop import TrainConfig, warm_start_record
+from train.checkpoints import warm_start_record
+from train.config import TrainConfig
 
 
 def run_config(run: dict) -> dict:
     """The run's config as a dict: the recorded keys over the training defaults (a config that relied on
     a default recorded no value for it)."""
-    return dataclasses.asdict(TrainConfig.from_dict(run["config"]))
+    return TrainConfig.from_dict(run["config"]).to_flat()
 
 
 def warm_start_of(config: dict, run: dict, meta: dict) -> dict | None:

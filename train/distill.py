@@ -26,7 +26,13 @@ import logging
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+
+import spd_jax
+from spd_jax.progress import progress_bar
+from train import config, data
+from train.config import TrainConfig
 
 log = logging.getLogger("train.distill")
 
@@ -34,14 +40,12 @@ CHUNK = 256  # prompts per cached chunk: what a killed run loses at most
 MIN_ROOM = 16  # a first turn is answered only if it leaves at least this many tokens of max_len
 
 
-def first_turn_prompts(model, tc) -> list[np.ndarray]:
+def first_turn_prompts(model, tc: TrainConfig) -> list[np.ndarray]:
     """The chat-templated first user turn (with the generation prompt) of every conversation of
-    tc.sources (tc.limit per source), in corpus order; ones leaving under MIN_ROOM tokens of
-    tc.max_len are skipped."""
-    from train import loop
-
-    prompts = [first_turn_ids(model, msgs) for _, msgs in loop.conversations(tc)]
-    return [ids for ids in prompts if len(ids) <= tc.max_len - MIN_ROOM]
+    tc.data.sources (tc.data.limit per source), in corpus order; ones leaving under MIN_ROOM tokens of
+    tc.data.max_len are skipped."""
+    prompts = [first_turn_ids(model, msgs) for _, msgs in data.conversations(tc)]
+    return [ids for ids in prompts if len(ids) <= tc.data.max_len - MIN_ROOM]
 
 
 def first_turn_ids(model, msgs: list[dict]) -> np.ndarray:
@@ -64,16 +68,12 @@ def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work:
     loss_mask [T])], loss_mask[t] where t + 1 is a generated token. Chunks of CHUNK prompts go to
     work/chunk-<i>.npz as they finish and are reused when they hold these prompts; within a chunk,
     prompts of similar length share a batch (less padding, fewer compiled shapes)."""
-    import spd_jax
-    from spd_jax.progress import progress_bar
-    from train import loop
-
     out: list[tuple[np.ndarray, np.ndarray]] = []
     bar = progress_bar(total=len(prompts), desc="regenerating responses", unit="prompt", disable=not show_progress)
     for c in range(0, len(prompts), CHUNK):
         path = work / f"chunk-{c // CHUNK:05d}.npz" if work is not None else None
         chunk = prompts[c:c + CHUNK]
-        cached = loop.load_sequences(path) if path is not None and path.is_file() else None
+        cached = data.load_sequences(path) if path is not None and path.is_file() else None
         if cached is not None and _chunk_matches(cached, chunk):
             out += cached
             bar.update(len(chunk))
@@ -89,33 +89,29 @@ def regenerate(model, prompts: list[np.ndarray], max_len: int, batch: int, work:
                 seqs[i] = (np.concatenate([p, np.asarray(g, np.int32)]), mask)
             bar.update(len(idx))
         if path is not None:
-            loop.save_sequences(seqs, path)
+            data.save_sequences(seqs, path)
         out += seqs
     bar.close()
     return out
 
 
-def distilled_corpus(model, tc, cache_dir: Path | None) -> list[tuple[np.ndarray, np.ndarray]]:
+def distilled_corpus(model, tc: TrainConfig, cache_dir: Path | None) -> list[tuple[np.ndarray, np.ndarray]]:
     """The `responses: target` corpus of tc: cached whole (corpus-<key>.npz), else generated (resuming
     from cache_dir/distill-<key>/'s chunks) and cached."""
-    import jax
-
-    from train import loop
-
-    key = loop.corpus_key(model, tc, "target-greedy-first-turn", MIN_ROOM)
+    key = data.corpus_key(model, tc, "target-greedy-first-turn", MIN_ROOM)
     path = cache_dir / f"corpus-{key}.npz" if cache_dir else None
     if path is not None and path.is_file():
-        return loop.load_sequences(path)
+        return data.load_sequences(path)
     if jax.process_count() > 1:
         raise ValueError("responses: target needs its regenerated corpus built once, in one process: run "
                            f"`python -m train.distill --config <this config>` first (cache: {cache_dir})")
     prompts = first_turn_prompts(model, tc)
     log.info("regenerating the responses of %d first turns with the target (greedy, up to %d tokens in all, "
-             "batches of %d)", len(prompts), tc.max_len, tc.distill_batch)
-    seqs = regenerate(model, prompts, tc.max_len, tc.distill_batch,
+             "batches of %d)", len(prompts), tc.data.max_len, tc.data.distill_batch)
+    seqs = regenerate(model, prompts, tc.data.max_len, tc.data.distill_batch,
                       cache_dir / f"distill-{key}" if cache_dir else None)
     if path is not None:
-        loop.save_sequences(seqs, path)
+        data.save_sequences(seqs, path)
     return seqs
 
 
@@ -134,22 +130,16 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from train import loop
-    from train.main import SETUP_ERRORS, load_config, setup_failed
-
     try:  # bad input (config, overrides, model, data, a missing package): `error: ...`, status 2
-        raw = load_config(argparse.Namespace(config=args.config, overrides=args.overrides, steps=None))
-        raw["responses"] = "target"
+        overrides = [*args.overrides, "responses=target"]
         if args.batch is not None:
-            raw["distill_batch"] = args.batch
-        tc = loop.TrainConfig.from_dict(raw)
-        import spd_jax
-
-        model = spd_jax.load_model(tc.model)
-        seqs = loop.encode_corpus(model, tc, loop.corpus_dir())
-    except SETUP_ERRORS as e:
-        return setup_failed(e)
-    print(json.dumps(dict(model=model.path.name, sources=list(tc.sources), max_len=tc.max_len,
+            overrides.append(f"distill_batch={args.batch}")
+        tc, _ = config.load(args.config, overrides)
+        model = spd_jax.load_model(tc.model.name)
+        seqs = distilled_corpus(model, tc, data.corpus_dir())
+    except config.SETUP_ERRORS as e:
+        return config.setup_failed(e)
+    print(json.dumps(dict(model=model.path.name, sources=list(tc.data.sources), max_len=tc.data.max_len,
                           **summary(seqs, model.eos_token_ids))))
     return 0
 

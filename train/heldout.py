@@ -12,7 +12,7 @@ that started from another drafter (`init_from`: what that one saw is not checked
 
 Every kept checkpoint of each run (or those of --steps), and its initial state (step 0: where the run started, e.g. the
 target's last layers against a random start), is scored teacher-forced with the training objective
-(`loop.loss_fn`, in float32 whatever the run computed in, on one bucket set): KL(target || drafter) per
+(`step.loss_fn`, in float32 whatever the run computed in, on one bucket set): KL(target || drafter) per
 response position (an EAGLE-3 drafter's: averaged over its unrolled draft steps, so runs of one method
 are compared) and top-1 agreement with the target, which for a PSM is the chance a greedy draft is
 accepted at the simulated fill. The simulated pipeline fills are one fixed draw shared by all runs, so
@@ -32,9 +32,20 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
+import jax
+import jax.numpy as jnp
+import matplotlib
 import numpy as np
+
+import spd_jax
+from spd_jax.progress import progress_bar
+from spd_jax.reports.plots import positions_axis
+from train import checkpoints, corpus, data, distill, step
+from train.config import TrainConfig
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 -- after the backend is chosen: no display is needed
 
 log = logging.getLogger("train.heldout")
 
@@ -47,52 +58,51 @@ BOOKKEEPING = ("save_every", "keep", "log_every", "eval_every", "eval_prompts", 
 @dataclasses.dataclass(frozen=True)
 class Run:
     path: Path
-    tc: Any  # its loop.TrainConfig
+    tc: TrainConfig
 
 
 def read_run(path: Path) -> Run:
-    from train import loop
-
     path = Path(path)
     rec = path / "run.json"
     if not rec.is_file():
         raise FileNotFoundError(f"{rec} not found: {path} is not a training run directory (train.main --out)")
-    return Run(path, loop.TrainConfig.from_dict(json.loads(rec.read_text())["config"]))
+    return Run(path, TrainConfig.from_dict(json.loads(rec.read_text())["config"]))
 
 
 def check_runs(runs: list[Run], offset: int) -> None:
     """One target, method and data definition for all; none may have seen the held-out conversations."""
     first = runs[0].tc
     for r in runs:
+        mine, theirs = r.tc.to_flat(), first.to_flat()
         for key in ("model", "method", "sources", "max_len", "fill_accept"):
-            if getattr(r.tc, key) != getattr(first, key):
-                raise ValueError(f"{r.path} has {key}={getattr(r.tc, key)!r}, {runs[0].path} {getattr(first, key)!r}: "
+            if mine[key] != theirs[key]:
+                raise ValueError(f"{r.path} has {key}={mine[key]!r}, {runs[0].path} {theirs[key]!r}: "
                                  "runs are compared on one held-out set of one target's replies with one objective; "
                                  "compare like runs")
-        if r.tc.limit is None:
-            raise ValueError(f"{r.path} trained on every conversation of {', '.join(r.tc.sources)} (no limit), so none is "
+        d = r.tc.data
+        if d.limit is None:
+            raise ValueError(f"{r.path} trained on every conversation of {', '.join(d.sources)} (no limit), so none is "
                              f"held out: train the runs to compare with limit=N (N <= --offset {offset})")
-        end = r.tc.skip + r.tc.limit
+        end = d.skip + d.limit
         if end > offset:
-            raise ValueError(f"{r.path} trained on conversations {r.tc.skip} .. {end - 1} of each source, which "
+            raise ValueError(f"{r.path} trained on conversations {d.skip} .. {end - 1} of each source, which "
                              f"overlaps the held-out set from --offset {offset}: pass --offset {end} (or more)")
-        if r.tc.init_from:
-            raise ValueError(f"{r.path} started from {r.tc.init_from} (init_from), whose training data is not checked "
+        if r.tc.drafter.init_from:
+            raise ValueError(f"{r.path} started from {r.tc.drafter.init_from} (init_from), whose training data is not "
+                             "checked "
                              "against the held-out set: compare runs that start from the target or at random")
 
 
 def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> tuple[list[np.ndarray], int]:
-    """-> (first-turn prompts [T_i] int32 of conversations offset .. offset + count - 1 of each of tc.sources,
+    """-> (first-turn prompts [T_i] int32 of conversations offset .. offset + count - 1 of each source,
     in order; how many were dropped as repeats of a first turn among conversations 0 .. seen_below - 1 of
-    their source). Ones leaving the reply under distill.MIN_ROOM tokens of tc.max_len are skipped."""
-    from train import distill, loop
-
+    their source). Ones leaving the reply under distill.MIN_ROOM tokens of tc.data.max_len are skipped."""
     index: collections.Counter = collections.Counter()
     trained: set[tuple[str, bytes]] = set()
     out, repeats = [], 0
     # every conversation, whatever prompt_pattern the run trained with: its skip and limit count them all
-    every = dataclasses.replace(tc, skip=0, limit=max(offset + count, seen_below), prompt_pattern=None)
-    for src, msgs in loop.conversations(every):
+    every = tc.replace(skip=0, limit=max(offset + count, seen_below), prompt_pattern=None)
+    for src, msgs in data.conversations(every):
         i = index[src]
         index[src] += 1
         if i >= offset + count and i >= seen_below:
@@ -100,7 +110,7 @@ def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> 
         ids = distill.first_turn_ids(model, msgs)
         if i < seen_below:
             trained.add((src, ids.tobytes()))
-        if offset <= i < offset + count and len(ids) <= tc.max_len - distill.MIN_ROOM:
+        if offset <= i < offset + count and len(ids) <= tc.data.max_len - distill.MIN_ROOM:
             out.append((src, ids))
     kept = [ids for src, ids in out if (src, ids.tobytes()) not in trained]
     return kept, len(out) - len(kept)
@@ -111,20 +121,18 @@ def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
     """-> ([(ids [T_i] int32, mask [T_i] bool)]: the held-out prompts with the target's greedy replies,
     mask[t] where t + 1 is a reply token; prompts dropped as repeats of training ones), generated once
     and cached."""
-    from train import distill, loop
-
     prompts, repeats = heldout_prompts(model, tc, offset, count, seen_below)
     if not prompts:
-        raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.sources)} (fewer than "
-                         f"{offset + 1} conversations, or none fits max_len {tc.max_len}): pass a smaller --offset "
-                         "and train the runs with a limit below it")
-    key = loop.corpus_key(model, dataclasses.replace(tc, skip=0, limit=None, prompt_pattern=None),
+        raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.data.sources)} "
+                         f"(fewer than {offset + 1} conversations, or none fits max_len {tc.data.max_len}): pass a "
+                         "smaller --offset and train the runs with a limit below it")
+    key = data.corpus_key(model, tc.replace(skip=0, limit=None, prompt_pattern=None),
                           "heldout-target-greedy", offset, count,
                           seen_below, distill.MIN_ROOM)
     log.info("held-out set: %d first turns (conversations %d .. %d of %s; %d dropped as repeats of training "
-             "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1, ", ".join(tc.sources),
-             repeats)
-    return distill.regenerate(model, prompts, tc.max_len, batch, loop.corpus_dir() / f"heldout-{key}"), repeats
+             "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1,
+             ", ".join(tc.data.sources), repeats)
+    return distill.regenerate(model, prompts, tc.data.max_len, batch, data.corpus_dir() / f"heldout-{key}"), repeats
 
 
 def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=None):
@@ -132,18 +140,12 @@ def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=N
     length into batches of BATCH, padded to `buckets`, default tc's), sequence i's fills keyed by (SEED, i)
     and dealt over its batch's query slots (`psm.deal_fills`): the same fills for every run scored on the
     same sequences and buckets."""
-
-    import jax
-    import jax.numpy as jnp
-
-    from train import loop
-
-    tc = dataclasses.replace(tc, compute_dtype="float32")  # one teacher for every run
+    tc = tc.replace(compute_dtype="float32")  # one teacher for every run
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i][0]), i))
-    batches = [(loop.pad_batch([seqs[i] for i in order[a:a + BATCH]], buckets or tc.buckets),
+    batches = [(corpus.pad_batch([seqs[i] for i in order[a:a + BATCH]], buckets or tc.data.buckets),
                 np.asarray(order[a:a + BATCH])) for a in range(0, len(order), BATCH)]
-    target = loop.compute_target(model, tc)
-    loss = jax.jit(loop.loss_fn(model.config, spec, tc))
+    target = step.compute_target(model, tc)
+    loss = jax.jit(step.loss_fn(model.config, spec, tc))
     base = jax.random.key(SEED)
 
     def score(trainable, frozen) -> dict:
@@ -163,12 +165,10 @@ def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=N
 def checkpoints_to_score(run: Run, steps: set[int] | None = None) -> list[int]:
     """The run's kept checkpoint steps, or those of `steps` (each must be kept), ascending; raises for a run
     that cannot be scored."""
-    from train import loop
-
-    if run.tc.draft_vocab and not (run.path / "draft_vocab.npy").is_file():
+    if run.tc.drafter.draft_vocab and not (run.path / "draft_vocab.npy").is_file():
         raise FileNotFoundError(f"{run.path / 'draft_vocab.npy'} not found: the run's draft vocabulary (train.main "
                                 "writes it beside ckpt/) is needed to score it; restore the file from the run")
-    kept = loop.Checkpoints(run.path / "ckpt", run.tc).all_steps() if (run.path / "ckpt").is_dir() else []
+    kept = checkpoints.Checkpoints(run.path / "ckpt", run.tc).all_steps() if (run.path / "ckpt").is_dir() else []
     if steps is not None and set(steps) - set(kept):
         raise ValueError(f"{run.path} keeps no checkpoint of step(s) {sorted(set(steps) - set(kept))} (kept: {kept}): "
                          "pass --steps from those")
@@ -178,27 +178,21 @@ def checkpoints_to_score(run: Run, steps: set[int] | None = None) -> list[int]:
 def score_run(model, run: Run, seqs, buckets=None, steps: list[int] = (), show_progress: bool = True) -> list[dict]:
     """Rows {run, step, train_positions, kl, agreement} for the run's initial state and its checkpoints
     of `steps` (`checkpoints_to_score`) by `scorer` (`buckets`: the padding every compared run shares)."""
-    import jax
-
-    from spd_jax.progress import progress_bar
-    from train import loop
-
     tc = run.tc
-    spec = loop.drafter_spec(model, tc)
+    spec = step.drafter_spec(model, tc)
     vocab_ids = None
     if spec.draft_vocab:
         vocab_ids = np.load(run.path / "draft_vocab.npy", allow_pickle=False)
-    opt = loop.make_optimizer(tc)
-    state, frozen = loop.init_state(model, spec, tc, opt, vocab_ids)
+    opt = step.make_optimizer(tc)
+    state, frozen = step.init_state(model, spec, tc, opt, vocab_ids)
     score = scorer(model, spec, tc, seqs, buckets)
     rows = [dict(run=run.path.name, step=0, train_positions=0, **score(state["params"], frozen))]
     if not steps:
         return rows
-    ckpts = loop.Checkpoints(run.path / "ckpt", tc)
-    for step in progress_bar(steps, desc=f"scoring {run.path.name}", unit="ckpt",
-                             disable=not show_progress):
-        restored, meta = ckpts.restore(step, jax.eval_shape(lambda: state))
-        rows.append(dict(run=run.path.name, step=step, train_positions=int(meta["positions"]),
+    ckpts = checkpoints.Checkpoints(run.path / "ckpt", tc)
+    for at in progress_bar(steps, desc=f"scoring {run.path.name}", unit="ckpt", disable=not show_progress):
+        restored, meta = ckpts.restore(at, jax.eval_shape(lambda: state))
+        rows.append(dict(run=run.path.name, step=at, train_positions=int(meta["positions"]),
                          **score(restored["params"], frozen)))
     return rows
 
@@ -206,7 +200,7 @@ def score_run(model, run: Run, seqs, buckets=None, steps: list[int] = (), show_p
 def differences(runs: list[Run]) -> dict[str, str]:
     """Run name -> the training settings that differ between the runs (defaults filled in; bookkeeping
     keys left out; `steps` kept: it sets the learning-rate schedule)."""
-    cfgs = [{k: v for k, v in dataclasses.asdict(r.tc).items() if k not in BOOKKEEPING} for r in runs]
+    cfgs = [{k: v for k, v in r.tc.to_flat().items() if k not in BOOKKEEPING} for r in runs]
     varying = [k for k in cfgs[0] if len({json.dumps(c[k], sort_keys=True) for c in cfgs}) > 1]
     return {r.path.name: ", ".join(f"{k}={c[k]}" for k in varying) or "-" for r, c in zip(runs, cfgs)}
 
@@ -232,13 +226,6 @@ def at_equal_positions(rows: list[dict]) -> tuple[int, dict[str, dict]]:
 
 def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
     """Write heldout.json, heldout.md and heldout.png to `out`; -> the markdown."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from train.loop import positions_axis
-
     out.mkdir(parents=True, exist_ok=True)
     diff = differences(runs)
     common, equal = at_equal_positions(rows)
@@ -304,18 +291,16 @@ def main(argv=None) -> int:
         if len({r.path.name for r in runs}) < len(runs):
             raise ValueError("two runs share a directory name, which the report names them by: rename one")
         check_runs(runs, args.offset)
-        import spd_jax
-
         tc = runs[0].tc
-        model = spd_jax.load_model(tc.model)
+        model = spd_jax.load_model(tc.model.name)
         scored = [checkpoints_to_score(r, steps) for r in runs]
-        seen = max(r.tc.skip + r.tc.limit for r in runs)
+        seen = max(r.tc.data.skip + r.tc.data.limit for r in runs)
         seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, seqs, tc.buckets, st)]
-    heldout = dict(offset=args.offset, count=args.count, sources=list(tc.sources), max_len=tc.max_len,
+    rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, seqs, tc.data.buckets, st)]
+    heldout = dict(offset=args.offset, count=args.count, sources=list(tc.data.sources), max_len=tc.data.max_len,
                    sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
     print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))
     return 0

@@ -1,0 +1,284 @@
+"""A run's checkpoints and what it starts from or hands on: the orbax manager, the resume identity,
+the exported drafter, and the warm start named by the digest of its weights.
+
+A run directory holds ckpt/ (orbax: params, optimiser state, step; with a JSON meta of positions and
+wall time), run.json (the identity a resume must match, the resolved config, the commands) and, at the
+end, the exported drafter (psm/ or drafter/) without the target's head. A warm start (`init_from`)
+reads an exported drafter's weights; `weights_digest` names those weights by content, the run records
+the digest (run.json's warm_start, and the export's trained.warm_start: the lineage), and a config that
+states `init_digest` is refused when init_from holds other weights, so a rerun starts from the same
+bytes or not at all. Nothing here computes a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from spd_jax import distributed
+from spd_jax.config import read_json
+from spd_jax.drafters import eagle3, psm
+from spd_jax.drafters.eagle3 import Eagle3Config
+from spd_jax.drafters.psm import PSMConfig
+from spd_jax.drafters.store import orbax_failure, quiet_abandoned_reads
+from train.config import ConfigError, TrainConfig
+
+log = logging.getLogger("train.checkpoints")
+
+Spec = PSMConfig | Eagle3Config  # what a run trains; its type is the method
+# run.json holds a run's identity and data order: without it the checkpoints cannot be resumed or exported
+RUN_JSON_DAMAGED = "restore the file from a copy, or train a new run with another --out"
+
+
+def export_name(spec: Spec) -> str:
+    """The run directory's subdirectory the trained drafter is exported to."""
+    return "drafter" if isinstance(spec, Eagle3Config) else "psm"
+
+
+
+# ---------------------------------------------------------------- the warm start
+
+def weights_digest(params: dict) -> str:
+    """A drafter's trained weights -> "sha256:" and 16 hex digits of sha256 over every leaf in path order:
+    its path, dtype, shape and row-major bytes. The weights as a warm start loads them (float32; the
+    exported bfloat16 values cast exactly), without the LM head (the target's, not the drafter's)."""
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_flatten_with_path({k: v for k, v in params.items() if k != "lm_head"})[0]
+    for path, leaf in leaves:
+        a = np.asarray(distributed.to_host(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}\0{a.dtype.str}\0{list(a.shape)}\0".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def check_digest(init_from: str, found: str, expected: str | None) -> None:
+    """Refuse weights whose digest is not the config's init_digest, naming both and the fixes."""
+    if expected is not None and found != expected:
+        raise ConfigError(
+            f"init_from {init_from} holds weights with digest {found}, this config expects init_digest={expected}: "
+            "the directory now holds other weights than the run recorded (a drafter shipped or exported over "
+            f"them). Point init_from at the weights of digest {expected} (docs/train/runs.md names the run that "
+            f"makes them), or start from what is there now as a new run with init_digest={found}")
+
+
+def warm_start(model, spec: Spec, tc: TrainConfig) -> tuple[dict, dict]:
+    """-> (the trained params of tc.drafter.init_from, without the LM head, as float32 copies; its record,
+    `warm_start_record` with the weights' digest). Refuses a drafter whose shapes do not fit this run's,
+    one trained for another target, and weights other than tc.drafter.init_digest names."""
+    init_from = tc.drafter.init_from
+    record = warm_start_record(init_from)  # refuses a directory with no exported drafter
+    if isinstance(spec, Eagle3Config):
+        _, warm = eagle3.load_eagle3(init_from, model.config, model.params, jnp.float32, spec.layers,
+                                     target_weights=model.weights_fingerprint, model_name=str(model.path))
+    else:
+        was = psm.read_spec(init_from)
+        if was.num_layers != spec.num_layers:
+            raise ValueError(f"init_from {init_from} has {was.num_layers} PSM layers, this run {spec.num_layers}; "
+                             f"set psm_layers={was.num_layers}")
+        if was.m != spec.m:
+            raise ValueError(f"init_from {init_from} reads {was.m} anchors {list(was.anchors)}, this run "
+                             f"{spec.m} {list(spec.anchors)}: its projections do not fit; set anchors="
+                             f"{','.join(map(str, was.anchors))} or start without init_from")
+        if (was.plan, was.anchors) != (spec.plan, spec.anchors):
+            # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
+            # embedding-only projection (the drafting row's) mean the same; the staircase and what the
+            # deeper anchors hold change, and training adapts them.
+            log.warning("init_from %s was trained for n=%d (plan %s, anchors %s); this run is n=%d (plan %s, "
+                        "anchors %s): a warm start only", init_from, was.n, list(was.plan), list(was.anchors),
+                        spec.n, list(spec.plan), list(spec.anchors))
+        # the target (model) is still checked: another model's PSM is refused
+        was, warm = psm.load_psm(init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
+                                 target_weights=model.weights_fingerprint, model_name=str(model.path))
+    # copies (training donates its buffers); proj_a are {kernel} dicts
+    params = {k: jax.tree.map(lambda a: jnp.array(a, copy=True), w) for k, w in warm["params"].items()
+              if k != "lm_head"}
+    digest = weights_digest(params)
+    check_digest(init_from, digest, tc.drafter.init_digest)
+    log.info("warm start from %s: weights %s", init_from, digest)
+    return params, dict(path=record.pop("path"), digest=digest, **record)
+
+
+def warm_start_record(init_from: str | Path, digest: str | None = None) -> dict[str, Any]:
+    """What init_from held when a run started from it: its path, the digest of its weights (`weights_digest`,
+    when the run read them) and its exported drafter's training facts (method, steps, positions; a PSM's
+    plan and anchors; its own warm start, so a chain of warm starts stays whole). Runs and their exports
+    keep this record rather than re-read the directory, which may later hold another drafter (a
+    longer-trained PSM shipped in its place)."""
+    path = Path(init_from)
+    meta_file = next((path / f for f in ("psm.json", "eagle3.json") if (path / f).is_file()), None)
+    if meta_file is None:
+        raise FileNotFoundError(f"init_from {init_from}: no psm.json or eagle3.json there (give a directory "
+                                "train.main exported, e.g. runs/NAME/psm or spd_jax/psms/...)")
+    meta = json.loads(meta_file.read_text())
+    trained = meta.get("trained", {})
+    rec: dict[str, Any] = dict(path=str(init_from), **(dict(digest=digest) if digest else {}),
+                               **{k: trained[k] for k in ("method", "steps", "positions") if k in trained})
+    rec.update({k: meta[k] for k in ("plan", "anchors") if k in meta})
+    if "warm_start" in trained:
+        rec["warm_start"] = trained["warm_start"]
+    return rec
+
+
+# ---------------------------------------------------------------- checkpoints and resume identity
+
+class Checkpoints:
+    """Periodic, atomic orbax checkpoints of the training state (params, optimiser, step) plus a JSON
+    record of the run; keeps the last `keep`. A save killed midway leaves only a temporary directory,
+    which orbax ignores, so a resume continues from the previous good step."""
+
+    def __init__(self, directory: Path, tc: TrainConfig):
+        self.ocp = ocp
+        self.mngr = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=tc.run.keep, save_interval_steps=1,
+                                                 enable_async_checkpointing=False))
+
+    def latest(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The kept checkpoints' steps, ascending."""
+        return sorted(self.mngr.all_steps())
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        a = self.ocp.args
+        self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)), force=True)
+        self.mngr.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
+        """The state and meta saved at step; a checkpoint that does not read (a damaged file: a run killed
+        mid-save never finalises one, so this is damage after the save) raises ValueError naming it and the
+        step kept before it, which a resume reaches once it is moved aside. One holding another state tree
+        (another version's) is told apart: nothing to move, only the version to match."""
+        a = self.ocp.args
+        quiet_abandoned_reads()
+        try:
+            out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state),
+                                                           meta=a.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 -- orbax raises bare Exception for a file it cannot read
+            where = Path(self.mngr.directory) / str(step)
+            earlier = [k for k in self.all_steps() if k < step]
+            aside = (f"move it aside (mv {where} {where}.damaged) to resume from step {earlier[-1]}, the one before "
+                     f"it, or --export {earlier[-1]}" if earlier else
+                     "no earlier checkpoint is kept: train a new run with another --out")
+            if isinstance(e, ValueError):  # orbax: a stored tree or shapes other than this state's
+                raise ValueError(f"checkpoint {where} does not match the state this code builds ({orbax_failure(e)}): "
+                                 "written by another version of spd-jax or optax, or its metadata is damaged. Do not "
+                                 "delete it: resume it with the version that wrote it; if that is this one, "
+                                 f"{aside}") from e
+            raise ValueError(f"checkpoint {where} does not read ({orbax_failure(e)}): it is damaged; {aside}") from e
+        return out["state"], out["meta"]
+
+
+def run_identity(model, spec: Spec, tc: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed or used: the method, the drafter's spec, the target."""
+    if isinstance(spec, Eagle3Config):
+        return dict(method="eagle3", spec=eagle3.spec_to_json(spec), model=str(model.path))
+    return dict(method="psm", spec=psm.spec_to_json(spec), model=str(model.path), psm_layers=tc.drafter.psm_layers)
+
+
+def check_resume(was: dict, identity: dict) -> None:
+    """Refuse to resume a run (`was`: the identity its run.json holds) as another one (`identity`, as
+    JSON): another method, drafter spec or target raises ValueError naming both. Runs written before
+    the method switch trained a PSM; PSM specs written before a field existed have its default."""
+    was = dict(was)
+    was.setdefault("method", "psm")
+    if was["method"] != identity["method"]:
+        raise ValueError(f"it trained method {was['method']!r}; this config trains method {identity['method']!r} "
+                         "(set method=... to match, or use a new --out)")
+    if was["method"] == "psm":
+        was["spec"] = json.loads(json.dumps(psm.spec_to_json(psm.spec_from_json(was["spec"]))))
+    if was != identity:
+        def flat(d, pre=""):
+            return {k2: v2 for k, v in d.items()
+                    for k2, v2 in (flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(pre + k, v)])}
+        a, b = flat(was), flat(identity)
+        diff = [f"{k}: run {a.get(k)!r}, this config {b.get(k)!r}"
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        raise ValueError(f"it was trained for another drafter or target ({'; '.join(diff)}); set the config to match "
+                         "or use a new --out")
+
+
+# What decides a run's data and its order: a resume must keep them, or "continues with the same data
+# position" (and train.heldout's check that a run never saw its held-out conversations) would not hold.
+DATA_KEYS = ("sources", "skip", "limit", "prompt_pattern", "max_len", "responses", "replies", "heldout", "seed",
+             "batch_size", "grad_accum")
+
+
+def check_same_data(was: dict, tc: TrainConfig) -> None:
+    """Refuse to resume a run (`was`: the config its run.json holds) with other data keys (DATA_KEYS)."""
+    old = TrainConfig.from_dict(was)
+    changed = [k for k in DATA_KEYS if getattr(old, k) != getattr(tc, k)]
+    if changed:
+        raise ValueError("it trained with " + ", ".join(f"{k}={getattr(old, k)!r}" for k in changed) + ", this command "
+                         "sets " + ", ".join(f"{k}={getattr(tc, k)!r}" for k in changed) + ": a resume keeps the run's "
+                         "data and its order (drop those overrides, or train a new run with --out)")
+
+
+def save_drafter(path: Path, variables: dict, spec: Spec, extra: dict) -> None:
+    """Export trained variables to a new directory without the LM head (the target's, shared, which the
+    loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: a PSM
+    through `save_psm`, an EAGLE-3 drafter through `eagle3.save_eagle3`."""
+    variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
+    extra = dict(extra, head="shared")
+    if isinstance(spec, Eagle3Config):
+        eagle3.save_eagle3(path, variables, spec, extra)
+    else:
+        psm.save_psm(path, variables, spec, extra)
+
+
+def read_run(out: Path) -> dict:
+    """out/run.json: the run's identity, config and commands; refused when it does not parse or lacks them."""
+    run = read_json(out / "run.json", RUN_JSON_DAMAGED)
+    if not isinstance(run, dict) or not {"identity", "config"} <= run.keys():
+        raise ValueError(f"{out / 'run.json'} lacks the run's identity and config: {RUN_JSON_DAMAGED}")
+    return run
+
+
+def export_step(value: str, ckpts: Checkpoints, out: Path) -> int:
+    """--export's STEP: "last" or one of the kept checkpoints' steps."""
+    kept = ckpts.all_steps()
+    if not kept:
+        raise FileNotFoundError(f"--export: no checkpoint in {out / 'ckpt'}")
+    if value == "last":
+        return kept[-1]
+    if not value.isdigit() or int(value) not in kept:
+        raise ValueError(f"--export {value}: no such checkpoint in {out / 'ckpt'} (kept: {kept})")
+    return int(value)
+
+
+def export(final: Path, variables, spec: Spec, tc: TrainConfig, config: dict, mesh: str, step: int, positions: int,
+           wall_s: float, target_weights: str, warm_start: dict | None = None, recipe: dict | None = None) -> None:
+    """Write the drafter of `variables` (bf16, the target's head not stored) to `final`, with what trained it
+    (config: the resolved config run.json holds; recipe: the recipe file and overrides it was resolved from;
+    what it started from: `warm_start`, with its weights' digest) and the fingerprint of the target's
+    weights (`Model.weights_fingerprint`), which loading it checks."""
+    variables = jax.tree.map(lambda t: t.astype(jnp.bfloat16) if jnp.issubdtype(t.dtype, jnp.floating) else t,
+                             variables)
+    if distributed.is_leader() and final.exists():
+        shutil.rmtree(final)
+    distributed.barrier("drafter export")  # no process looks for the directory before it is gone
+    trained = dict(method=tc.drafter.method, steps=step, positions=positions, wall_s=round(wall_s, 1), mesh=mesh,
+                   backend=jax.default_backend(), config=config)
+    if recipe:
+        trained.update(recipe=recipe)
+    if tc.drafter.method == "eagle3":
+        trained.update(ttt_steps=tc.drafter.ttt_steps)
+    if warm_start:
+        trained.update(warm_start=warm_start)
+    save_drafter(final, variables, spec, dict(trained=trained, target_weights=target_weights))
+    if tc.drafter.method == "eagle3":
+        log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
+                 "--drafter %s)", step, final, tc.drafter.eval_k, final)
+    else:
+        log.info("PSM (step %d) written to %s (use: python -m infer.generate --n %d --spec %s)", step, final,
+                 spec.n, final)
