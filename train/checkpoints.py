@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from spd_jax import distributed
 from spd_jax.config import read_json
-from spd_jax.drafters import eagle3, psm
+from spd_jax.drafters import eagle3, psm, registry
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSMConfig
 from spd_jax.drafters.store import orbax_failure, quiet_abandoned_reads
@@ -182,8 +182,9 @@ class Checkpoints:
 def run_identity(model, spec: Spec, tc: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed or used: the method, the drafter's spec, the target."""
     if isinstance(spec, Eagle3Config):
-        return dict(method="eagle3", spec=eagle3.spec_to_json(spec), model=str(model.path))
-    return dict(method="psm", spec=psm.spec_to_json(spec), model=str(model.path), psm_layers=tc.drafter.psm_layers)
+        return dict(method=registry.EAGLE3.name, spec=eagle3.spec_to_json(spec), model=str(model.path))
+    return dict(method=registry.PSM.name, spec=psm.spec_to_json(spec), model=str(model.path),
+                psm_layers=tc.drafter.psm_layers)
 
 
 def check_resume(was: dict, identity: dict) -> None:
@@ -191,11 +192,11 @@ def check_resume(was: dict, identity: dict) -> None:
     JSON): another method, drafter spec or target raises ValueError naming both. Runs written before
     the method switch trained a PSM; PSM specs written before a field existed have its default."""
     was = dict(was)
-    was.setdefault("method", "psm")
+    was.setdefault("method", registry.PSM.name)
     if was["method"] != identity["method"]:
         raise ValueError(f"it trained method {was['method']!r}; this config trains method {identity['method']!r} "
                          "(set method=... to match, or use a new --out)")
-    if was["method"] == "psm":
+    if registry.kind(was["method"]) is registry.PSM:
         was["spec"] = json.loads(json.dumps(psm.spec_to_json(psm.spec_from_json(was["spec"]))))
     if was != identity:
         def flat(d, pre=""):
@@ -271,12 +272,12 @@ def export(final: Path, variables, spec: Spec, tc: TrainConfig, config: dict, me
                    backend=jax.default_backend(), config=config)
     if recipe:
         trained.update(recipe=recipe)
-    if tc.drafter.method == "eagle3":
+    if not tc.drafter.kind.staged:
         trained.update(ttt_steps=tc.drafter.ttt_steps)
     if warm_start:
         trained.update(warm_start=warm_start)
     save_drafter(final, variables, spec, dict(trained=trained, target_weights=target_weights))
-    if tc.drafter.method == "eagle3":
+    if not tc.drafter.kind.staged:
         log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
                  "--drafter %s)", step, final, tc.drafter.eval_k, final)
     else:

@@ -31,11 +31,13 @@ from typing import Any, Iterable
 
 import yaml
 
+from spd_jax.drafters import registry
+from spd_jax.drafters.kind import DrafterKind
 from spd_jax.drafters.psm import fill_weights
 
 log = logging.getLogger("train")
 
-METHODS = ("psm", "eagle3")  # what train.main trains: `method` in the config
+METHODS = tuple(registry.KINDS)  # what train.main trains: `method` in the config (a drafter kind's name)
 RESPONSES = ("dataset", "target")  # whose responses the drafter learns on: `responses` in the config
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # `compute_dtype` in the config
 BASE_KEY = "base_config"  # a recipe's key naming the file it states differences from (MaxText's name)
@@ -82,6 +84,11 @@ class DrafterConfig:
     # The simulated pipeline fills (psm.fill_weights): None, the paper's (a full pipeline half the time);
     # p in (0, 1), the fills the greedy engine verifies when each draft is accepted with probability p
     fill_accept: float | None = None
+
+    @property
+    def kind(self) -> DrafterKind:
+        """The drafter kind `method` names (checked in `TrainConfig`'s validation)."""
+        return registry.kind(self.method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,10 +289,10 @@ class TrainConfig:
                               f"responses={da.responses!r}")
         if dr.ttt_steps < 1 or dr.eval_k < 1:
             raise ConfigError(f"ttt_steps ({dr.ttt_steps}) and eval_k ({dr.eval_k}) must be at least 1")
-        if dr.hard_weight and dr.method != "psm":
+        if dr.hard_weight and not dr.kind.staged:
             raise ConfigError(f"hard_weight is a term of the PSM's loss; method {dr.method!r} trains on the KL alone "
                               "(set hard_weight=0)")
-        if da.teacher_cache and dr.method != "psm":
+        if da.teacher_cache and not dr.kind.staged:
             raise ConfigError(f"teacher_cache holds a PSM's anchor states; method {dr.method!r} reads other features "
                               "(set teacher_cache=false)")
         if dr.init_digest is not None and not dr.init_from:

@@ -90,8 +90,8 @@ def devices(args, tc: TrainConfig) -> tuple[int, int, bool]:
     if cluster is None:
         # A PSM's quick eval runs the SPD engine: n stage devices besides the training mesh's (an EAGLE-3
         # drafter's runs the chain on one device).
-        eagle = tc.drafter.method == "eagle3"
-        eval_devices = 1 if eagle else len(tc.drafter.stages) if tc.drafter.stages else tc.drafter.n
+        d = tc.drafter
+        eval_devices = (len(d.stages) if d.stages else d.n) if d.kind.staged else 1
         request_cpu_devices(max(n_data * n_model, eval_devices))
     else:  # the training mesh spans every process's devices (the quick eval runs when n of them exist)
         try:
@@ -237,7 +237,7 @@ def setup(args, argv: list[str]) -> Run:
 
 
 def _describe(tc: TrainConfig, spec: Spec, model, n_data: int, n_model: int) -> None:
-    if tc.drafter.method == "eagle3":
+    if not tc.drafter.kind.staged:
         log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
                  "mesh %dx%d on %s", model.path.name, list(spec.layers), tc.drafter.ttt_steps, tc.drafter.eval_k,
                  n_data, n_model, jax.default_backend())
@@ -298,7 +298,7 @@ def fit(run: Run) -> None:
 
     prompts = quick_eval.eval_prompts(run.heldout, tc)
     key = quick_eval.eval_metric(spec)  # the quick eval's headline: S0, or tokens_per_round
-    if tc.drafter.method != "eagle3" and jax.device_count() < spec.n:
+    if tc.drafter.kind.staged and jax.device_count() < spec.n:
         log.info("quick eval off: it runs the SPD engine on n=%d stage devices, the job has %d", spec.n,
                  jax.device_count())
         prompts = []

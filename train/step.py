@@ -44,7 +44,7 @@ from train.config import COMPUTE_DTYPES, TrainConfig
 def drafter_spec(model, tc: TrainConfig) -> Spec:
     """The drafter a run trains: an EAGLE-3 drafter (feature layers, draft vocabulary), or a PSM for the
     stage plan `infer.generate` makes at n (or tc.drafter.stages) with tc's layers and anchors."""
-    if tc.drafter.method == "eagle3":
+    if not tc.drafter.kind.staged:
         return Eagle3Config.for_target(model.config, tc.drafter.feature_layers, tc.drafter.draft_vocab)
     plan = pipelined.plan_for(model, tc.drafter.n, tc.drafter.stages)
     d = tc.drafter

@@ -45,6 +45,9 @@ class DrafterKind:
     train_fix: str  # how to get one for a model ({model}): the fix a refusal names
     missing_hint: str = ""  # appended when a directory has no identity file
     why_random: str = "an untrained one was asked for"  # a random one on request, in the notice
+    # drafts inside the pipeline for one stage plan (the PSM): trained at a depth n from the target's
+    # anchor states (a hard-label loss term, a teacher cache), run by the SPD engine on n stage devices
+    staged: bool = False
 
     def __post_init__(self):
         if self.identity_file not in IDENTITY_FILES:

@@ -117,7 +117,7 @@ KIND = DrafterKind(
     random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
-    missing_hint="; train one with train.main",
+    missing_hint="; train one with train.main", staged=True,
     why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
 
 
