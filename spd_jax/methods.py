@@ -59,6 +59,9 @@ class Method:
     random_drafter_on_request: ClassVar[bool] = False  # a CLI runs a random drafter only when asked for it
     baseline: ClassVar[bool] = False  # the one-device autoregressive reference the others are compared with
     label_key: ClassVar[str | None] = None  # the stats key naming its drafter's weights (`registry.Resolved.label`)
+    one_device: ClassVar[bool] = True  # runs on one device whatever its options (its rows have n = 1)
+    staged: ClassVar[bool] = False  # runs over n pipeline stages (a stage plan the model must split into)
+    chain: ClassVar[bool] = False  # k drafts per round, verified by one target pass (its steps are rounds)
 
     def __init__(self):
         self.compiled = CompileCache()  # its executables, keyed by shapes and compile-time switches
@@ -217,6 +220,7 @@ class TP(AR):
 
     name = "tp"
     baseline = False
+    one_device = False
     Options = TPOptions
     multi_process = True
 
@@ -249,6 +253,8 @@ class Pipeline(Method):
 
     name = "pipeline"
     Options = PipelineOptions
+    one_device = False
+    staged = True
     multi_process = True
     takes_drafter = True
     default_drafter: ClassVar[str] = "none"
@@ -309,6 +315,7 @@ class Eagle3(Method):
 
     name = "eagle3"
     Options = Eagle3Options
+    chain = True
     drafter_hint = " (its drafter checkpoint is drafter_spec)"
     drafter_kind = registry.EAGLE3
     label_key = "drafter_spec"
@@ -344,6 +351,11 @@ def get(name: str) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}: available: {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def of_drafter(k: DrafterKind) -> Method:
+    """The method that runs a drafter kind's network (its evaluation rows are that method's)."""
+    return next(m for m in METHODS.values() if m.drafter_kind is k)
 
 
 def clear_compiled() -> None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from spd_jax.drafters import registry
 from spd_jax.reports.lineage import lineage_lines, lineage_point, lineage_positions, update_lineage
 from spd_jax.reports.plots import plot_lineage
 from spd_jax.reports.results import DRAFTER_METHOD, SETUP, drafter_rows, pooled
@@ -73,9 +74,9 @@ def _psm_where(backend: str, n: int) -> str:
 
 
 KINDS = {
-    "psm": CardKind(
-        meta_file="psm.json",
-        staged=True,
+    registry.PSM.name: CardKind(
+        meta_file=registry.PSM.identity_file,
+        staged=registry.PSM.staged,
         title="# PSM for {model}, n = {n}",
         describe="A Pipeline Speculation Module (SPD.md) for the target named above: {meta[num_layers]} decoder "
                  "layers of the target's kind, anchors {meta[anchors]}, stage plan {meta[plan]} (layers per stage; "
@@ -100,9 +101,9 @@ KINDS = {
         columns=("bench", "method", "n", "T", "prompts", "tokens", "alpha", "S0", "tok/s", "vs ar"),
         heads=("bench", "method", "n", "T", "prompts", "tokens", "alpha", "S0", "tok/s here", "vs ar here"),
         where=_psm_where),
-    "eagle3": CardKind(
-        meta_file="eagle3.json",
-        staged=False,
+    registry.EAGLE3.name: CardKind(
+        meta_file=registry.EAGLE3.identity_file,
+        staged=registry.EAGLE3.staged,
         title="# EAGLE-3-style drafter for {model}",
         describe="A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3.py`), the baseline SPD is "
                  "compared with: the target's hidden states {meta[layers]} (low, mid, high) fused by one linear "
@@ -135,8 +136,12 @@ KINDS = {
 
 
 def kind_of(directory: Path) -> str:
-    """The kind of the exported drafter in `directory`: by its metadata file (eagle3.json, else psm.json)."""
-    return "eagle3" if (Path(directory) / KINDS["eagle3"].meta_file).is_file() else "psm"
+    """The kind of the exported drafter in `directory`: by its identity file (`registry.of_checkpoint`), else a
+    PSM's."""
+    try:
+        return registry.of_checkpoint(directory).name
+    except FileNotFoundError:
+        return registry.PSM.name
 
 
 # ---------------------------------------------------------------- the training section's lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spd_jax.drafters import registry
 from spd_jax.reports.results import DRAFTER_METHOD
 
 LINEAGE = "lineage.json"  # in a PSM directory: the greedy S0 of each PSM it has held, kept by train.card
@@ -32,7 +33,7 @@ def lineage_point(table: list[dict], setup: dict | None, psm: dict, run: dict | 
     its rows; psm: its psm.json; run: its run.json (for the config it names) or None. None without a T = 0
     `spd` row or a record of its training positions."""
     trained = psm.get("trained", {})
-    spd = [t for t in table if t["method"] == DRAFTER_METHOD["psm"] and t["temperature"] == 0]
+    spd = [t for t in table if t["method"] == DRAFTER_METHOD[registry.PSM.name] and t["temperature"] == 0]
     pooled_all = next((t for t in spd if t["bench"] == "all"), None)
     if pooled_all is None or "positions" not in trained:
         return None

@@ -1,8 +1,9 @@
 """The evaluation's results JSONL (`infer.evaluate` rows) read, sorted by drafter and pooled: what every
 table, plot, card and lineage point is built from.
 
-Plain data in and out (row dicts as `infer.evaluate` writes them); runs no model, writes no file. The
-method names it knows are in the tables below, not compared across the code.
+Plain data in and out (row dicts as `infer.evaluate` writes them); runs no model, writes no file. What
+it knows of a row's method (its shape, its drafter field, the baseline) it reads from the method objects
+(`spd_jax.methods`), in the tables below, not by comparing method names.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from spd_jax.drafters.store import content_id
+from spd_jax.methods import METHODS
 
-BASELINE = "ar"  # the method every speed is compared with
+BASELINE = next(m.name for m in METHODS.values() if m.baseline)  # the method every speed is compared with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +30,7 @@ class RowShape:
     chain: bool = False
 
 
-ROW_SHAPES = {"ar": RowShape(one_device=True), "tp": RowShape(), "pipeline": RowShape(staged=True),
-              "spd": RowShape(staged=True), "eagle3": RowShape(one_device=True, chain=True)}
+ROW_SHAPES = {m.name: RowShape(one_device=m.one_device, staged=m.staged, chain=m.chain) for m in METHODS.values()}
 
 
 def row_shape(method: str) -> RowShape:
@@ -37,8 +38,9 @@ def row_shape(method: str) -> RowShape:
     return ROW_SHAPES.get(method, RowShape())
 # a drafted method -> the row field that records the drafter checkpoint it was given (`resolve_psm` /
 # `resolve_eagle3`'s label: a path, or one of UNNAMED); the other methods run no drafter
-DRAFTER_FIELD = {"spd": "psm", "eagle3": "drafter_spec"}
-DRAFTER_METHOD = {"psm": "spd", "eagle3": "eagle3"}  # a drafter kind -> the method its evaluation rows run
+DRAFTER_FIELD = {m.name: m.label_key for m in METHODS.values() if m.label_key}
+# a drafter kind's name -> the method its evaluation rows run
+DRAFTER_METHOD = {m.drafter_kind.name: m.name for m in METHODS.values() if m.drafter_kind is not None}
 UNTRAINED = "random"  # the label of an untrained drafter
 UNNAMED = (UNTRAINED, "given")  # labels that name no checkpoint
 SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share

@@ -2,12 +2,13 @@
 them: the evaluation's results.md and the cells the cards' tables share.
 
 Builds text from plain data; reads and writes no file. The projections come from
-`spd_jax.pipeline.costs`, per method through the PROJECT table below.
+`spd_jax.pipeline.costs`, per method through `projector` below.
 """
 
 from __future__ import annotations
 
 from spd_jax.drafters import eagle3
+from spd_jax.methods import METHODS
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.pipeline import costs
 from spd_jax.pipeline.partition import StagePlan
@@ -70,9 +71,12 @@ def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
     return dict(speedup=pred[f"speedup_{t['method']}"], parts_s=parts)
 
 
-# method -> its projection on one hardware profile: {speedup over ar, parts_s: its cycle by part}
-PROJECT = {"ar": _project_ar, "eagle3": _project_eagle3, "tp": _project_staged, "pipeline": _project_staged,
-           "spd": _project_staged}
+def projector(method: str):
+    """A method's name -> its projection on one hardware profile: (row, cfg, hw, ctx) -> {speedup over ar,
+    parts_s: its cycle by part}. The baseline: one step; a chain: `costs.predict_eagle3`; the others
+    (tp, pipeline, spd): `costs.predict` at n."""
+    m = METHODS[method]
+    return _project_ar if m.baseline else _project_eagle3 if m.chain else _project_staged
 
 
 def project(table: list[dict], cfg) -> None:
@@ -83,7 +87,7 @@ def project(table: list[dict], cfg) -> None:
     ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
     for t in table:
         ctx = max(int(round(t["context"])), 1)
-        t["proj"] = {name: PROJECT[t["method"]](t, cfg, hw, ctx) for name, hw in HARDWARE.items()}
+        t["proj"] = {name: projector(t["method"])(t, cfg, hw, ctx) for name, hw in HARDWARE.items()}
 
 
 # ---------------------------------------------------------------- the evaluation's results.md
