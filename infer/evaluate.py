@@ -47,10 +47,11 @@ from pathlib import Path
 import spd_jax
 from infer.generate import csv_of
 from spd_jax import distributed
-from spd_jax.api import METHODS, eagle3_source
+from spd_jax.api import METHODS
 from spd_jax.datasets import BENCHMARKS, read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.drafters.store import content_id
+from spd_jax.methods import get as method_named
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import plot_results
 from spd_jax.reports.results import pooled, read_rows, row_shape
@@ -72,22 +73,17 @@ def row_key(r: dict) -> tuple:
             r.get("drafter"), r.get("drafter_id"), r["max_new_tokens"], r["seed"])
 
 
-# a drafted method -> where its drafter comes from, (model, n, spec, drafter) -> a checkpoint path, a
-# (config, variables) pair, or None for a random one: as `generate` picks it
-DRAFTER_SOURCE = {
-    "spd": lambda model, n, spec, drafter: pipelined.psm_source(model, pipelined.plan_for(model, n), spec)[0],
-    "eagle3": lambda model, n, spec, drafter: eagle3_source(model, drafter),
-}
-
-
 def drafter_id(model, method: str, n: int, spec=None, drafter=None) -> str | None:
     """What identifies the drafter a row of (method, n) runs, known before running it: None for the
     methods without one (ar, pipeline, tp), "random" for an untrained one (seed 0: always the same), else
-    the content of its checkpoint (`store.content_id`), picked as `generate` picks it (`psm_source`: spec,
-    or the PSM shipped for this model and n; `eagle3_source`: drafter, or the one shipped)."""
-    if method not in DRAFTER_SOURCE:
+    the content of its checkpoint (`store.content_id`), picked as `generate` picks it (the method's
+    `drafter_source`: spd's spec, or the PSM shipped for this model and n; eagle3's drafter, or the one
+    shipped)."""
+    m = method_named(method)
+    source = m.drafter_source(model, m.options(n=n, spec=spec, drafter_spec=drafter))
+    if source is None:
         return None
-    src = DRAFTER_SOURCE[method](model, n, spec, drafter)
+    src = source.found  # a checkpoint path, the given reference, or None for a random one
     if src is None:
         return "random"
     return content_id(src) if isinstance(src, (str, Path)) else "given"

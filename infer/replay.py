@@ -35,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import spd_jax
+from spd_jax import methods
 from spd_jax.datasets import read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.decode.schedule import replay_greedy
+from spd_jax.drafters import registry
 from spd_jax.drafters.psm import drafts_by_fill
 from spd_jax.progress import progress_bar
 from spd_jax.reports.replay import REPEAT, plot_replay, replay_markdown
@@ -57,7 +59,8 @@ def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], li
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --from takes an infer.evaluate --out directory")
     rows = read_rows(path)
-    ar = [r for r in rows if r["method"] == "ar" and r["temperature"] == 0 and r.get("token_ids") is not None]
+    ar = [r for r in rows if methods.get(r["method"]).baseline and r["temperature"] == 0
+          and r.get("token_ids") is not None]
     if not ar:
         raise ValueError(f"{path} holds no greedy `ar` rows with token ids: run infer.evaluate with --methods ar "
                          "(and --temperature 0) into it first")
@@ -65,8 +68,8 @@ def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], li
     if len(setups) > 1:
         raise ValueError(f"{path} mixes models or lengths {sorted(setups)}: replay one setup per directory")
     (model, max_new), = setups
-    spd = [r for r in rows if r["method"] == "spd" and r["temperature"] == 0 and r["n"] == n
-           and (r["model"], r["max_new_tokens"]) == (model, max_new)]
+    spd = [r for r in rows if methods.get(r["method"]) is methods.of_drafter(registry.PSM) and r["temperature"] == 0
+           and r["n"] == n and (r["model"], r["max_new_tokens"]) == (model, max_new)]
     return model, max_new, ar, spd
 
 
@@ -111,7 +114,7 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
     rights = teacher_forced(model, spec, variables, seqs, [len(p) for p in prompts], show_progress)
     # the engine's rows of this PSM: by its content (drafter_id), not by the path, which may hold another
     # PSM now than when the rows were made
-    mine, legacy = rows_of_drafter(spd_rows, Path(label), "psm")
+    mine, legacy = rows_of_drafter(spd_rows, Path(label), methods.of_drafter(registry.PSM).label_key)
     if legacy:
         log.warning("the spd rows of %s record no drafter id (made before ids were recorded): checked against "
                     "them by path, so a PSM written there since would not match them", label)
