@@ -178,6 +178,68 @@ def test_no_module_over_the_size_limit():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# method and drafter names: compared only inside their registries
+
+# what a method or a drafter kind does is an attribute of its object (`spd_jax.methods`,
+# `spd_jax.drafters.registry`); only these modules may compare names
+REGISTRIES = ("spd_jax/methods.py", "spd_jax/drafters/registry.py", "spd_jax/drafters/kind.py")
+
+
+def _registered_names() -> set[str]:
+    from spd_jax.drafters.registry import KINDS
+    from spd_jax.methods import METHODS
+    return set(METHODS) | set(KINDS)
+
+
+def name_comparisons(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every comparison (==, !=, in, is, ..., or a match case) of something against a string
+    constant in names, or a tuple / list / set holding one."""
+    def consts(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for e in node.elts:
+                yield from consts(e)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            sides = [node.value]
+        else:
+            continue
+        if any(v in names for side in sides for v in consts(side)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_method_or_drafter_name_compared_outside_the_registries():
+    names = _registered_names()
+    bad = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in _sources().values()
+           if path.relative_to(ROOT).as_posix() not in REGISTRIES
+           for line, code in name_comparisons(path.read_text(), names)]
+    assert not bad, ("method or drafter names compared outside the registries (use the method's or the "
+                     "DrafterKind's attribute): " + "; ".join(bad))
+
+
+def test_the_name_comparison_scan_catches_each_form():
+    names = {"spd", "psm"}
+    src = """
+if method == "spd":
+    pass
+a = kind != 'psm'
+b = m in ("ar", "spd")
+c = "psm" == k
+match method:
+    case "spd":
+        pass
+ok = method == "speed" or key in ("wq", "wk") or f"{method}" != ""
+"""
+    assert [line for line, _ in name_comparisons(src, names)] == [2, 4, 5, 6, 8]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the docs' commands
 
 
