@@ -33,6 +33,10 @@ import os
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
+import spd_jax
 from spd_jax.progress import progress_bar
 
 PROMPT = "Explain how a bicycle works, step by step."
@@ -48,10 +52,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    # torch and transformers (the reference) load only when this benchmark runs: importing them costs
+    # seconds, which `--help` and the docs-command test would pay
     import torch
     from transformers import AutoModelForCausalLM
-
-    import spd_jax
 
     model = spd_jax.load_model(args.model)
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
@@ -71,9 +75,6 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         assert out.shape[1] - len(ids) == n
         return wall, out[0, len(ids):].tolist()
-
-    import jax
-    import jax.numpy as jnp
 
     @jax.jit
     def stream_weights(params):

@@ -22,6 +22,20 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import spd_jax
+from spd_jax.decode import pipelined
+from spd_jax.drafters.psm import PSMConfig, teacher_states
+from spd_jax.models import decoder
+from spd_jax.sharding import data_model_mesh, put
+from train import corpus as train_corpus
+from train import step as train_step
+from train.config import TrainConfig
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n")[0])
@@ -35,20 +49,6 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="float32:0,float32:16384,bfloat16:0")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import spd_jax
-    from spd_jax.models import decoder
-    from spd_jax.decode import pipelined
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from spd_jax.sharding import data_model_mesh, put
-    from spd_jax.drafters.psm import PSMConfig, teacher_states
-    from train import corpus as train_corpus, step as train_step
-    from train.config import TrainConfig
 
     model = spd_jax.load_model(args.model)
     plan = pipelined.plan_for(model, args.n)
