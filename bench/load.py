@@ -57,6 +57,7 @@ class _PeakRSS:
 
 def _measure(mode: str, model_name: str, n: int, dtype: str) -> dict:
     request_cpu_devices(n)  # before JAX initialises its backend (the first array or device query)
+    jax.devices()  # the backend's own start-up is not the load's memory
     with _PeakRSS() as mem:
         arrays = LOADS[mode](model_name, n, dtype)
     dev0 = jax.devices()[0]
