@@ -47,10 +47,10 @@ from pathlib import Path
 import spd_jax
 from infer.generate import csv_of
 from spd_jax import distributed
-from spd_jax.api import METHODS
 from spd_jax.datasets import BENCHMARKS, read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.drafters.store import content_id
+from spd_jax.methods import METHODS
 from spd_jax.methods import get as method_named
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import plot_results

@@ -23,7 +23,6 @@ from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.decode import ar
 from spd_jax.decode.sampling import SamplingParams
-from spd_jax.drafters import registry
 from spd_jax.drafters.store import target_weights
 from spd_jax.models import decoder, schema
 from spd_jax.sharding import STAGE, Placement, Rules
@@ -166,12 +165,6 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
     return Model(cfg, params, tokenizer, path, reader)
 
 
-def eagle3_source(model: Model, drafter_spec=None):
-    """`registry.source` of EAGLE-3: drafter_spec (a `DrafterRef` or its older forms) -> what runs: a
-    checkpoint path, None for a random drafter, or the given reference. Loads nothing."""
-    return registry.source(registry.EAGLE3, model, drafter_spec).found
-
-
 def _token_ids(ids, what: str) -> np.ndarray:
     """Token ids (a sequence or array of ints) -> int64 [T]; text is refused with the way to encode it."""
     if isinstance(ids, (str, bytes)) or np.asarray(ids).dtype.kind in "US":
@@ -184,9 +177,6 @@ def _token_ids(ids, what: str) -> np.ndarray:
 class GenerateResult:
     token_ids: list[int]  # generated tokens only (the EOS token included when it stopped there)
     stats: dict
-
-
-METHODS = tuple(methods.METHODS)  # the method names generate takes
 
 
 def _request(model: Model, prompt_ids, max_new_tokens, max_len) -> np.ndarray:
