@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,6 @@ from spd_jax.sharding import request_cpu_devices
 
 
 def _child(args) -> int:
-    import resource
-
     method = METHODS[args.method]
     if method.multi_process:
         request_cpu_devices(args.n)  # before JAX initialises its backend (the first array)
