@@ -50,7 +50,7 @@ def run_config(run: dict) -> dict:
 
 def warm_start_of(config: dict, run: dict, meta: dict) -> dict | None:
     """What the run started from (init_from), None without one: the record the export or the run kept
-    (`loop.warm_start_record`), or for a run from before the record, init_from's directory as it is now."""
+    (`checkpoints.warm_start_record`), or for a run from before the record, init_from's directory as it is now."""
     if not config.get("init_from"):
         return None
     was = meta.get("trained", {}).get("warm_start") or run.get("warm_start")

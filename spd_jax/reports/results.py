@@ -36,8 +36,8 @@ ROW_SHAPES = {m.name: RowShape(one_device=m.one_device, staged=m.staged, chain=m
 def row_shape(method: str) -> RowShape:
     """ROW_SHAPES' entry of a method; a method it does not list: on n devices, no stages, no chain."""
     return ROW_SHAPES.get(method, RowShape())
-# a drafted method -> the row field that records the drafter checkpoint it was given (`resolve_psm` /
-# `resolve_eagle3`'s label: a path, or one of UNNAMED); the other methods run no drafter
+# a drafted method -> the row field that records the drafter checkpoint it was given (`registry.resolve`'s
+# label: a path, or one of UNNAMED); the other methods run no drafter
 DRAFTER_FIELD = {m.name: m.label_key for m in METHODS.values() if m.label_key}
 # a drafter kind's name -> the method its evaluation rows run
 DRAFTER_METHOD = {m.drafter_kind.name: m.name for m in METHODS.values() if m.drafter_kind is not None}
@@ -57,7 +57,7 @@ def names_checkpoint(label) -> bool:
 
 
 def label_is_dir(label, directory: Path) -> bool:
-    """Whether a row's drafter label (the checkpoint path `resolve_psm` / `resolve_eagle3` were given, or
+    """Whether a row's drafter label (the checkpoint path `registry.resolve` was given, or
     "random" / "given" / None) names `directory`."""
     if not isinstance(label, str) or label in UNNAMED:
         return False

@@ -42,7 +42,7 @@ def _init_boxed(cfg: ModelConfig, spec: PSMConfig, seed) -> dict:
 def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int = 0, dtype=jnp.float32,
              layers_from_target: bool = False, vocab_ids=None) -> dict:
     """PSM weights: random layers and projections, the LM head copied from the target's (its rows at
-    vocab_ids [V'] with a draft vocabulary, which then needs them: `train.loop.draft_vocab_ids`). With
+    vocab_ids [V'] with a draft vocabulary, which then needs them: `train.corpus.draft_vocab_ids`). With
     layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
     out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PSM")
     if layers_from_target:
