@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     leader = cluster is None or distributed.is_leader()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     if not args.no_compile_cache:
         spd_jax.enable_persistent_cache()
     try:

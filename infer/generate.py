@@ -139,7 +139,7 @@ class _TextStream:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     method = METHODS[args.mode]
     if args.processes is not None and not method.multi_process:
         print(f"error: --mode {args.mode} runs on one device in one process; --processes is for "

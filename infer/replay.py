@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="the model name or checkpoint path (default: the run's model)")
     ap.add_argument("--out", default=None, help="output directory (default: FROM/replay)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     source = Path(args.source)
     try:
         model_name, max_new, ar, spd_rows = read_continuations(source, args.n)

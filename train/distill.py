@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, help="prompts per generated batch (default: the config's distill_batch)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     try:  # bad input (config, overrides, model, data, a missing package): `error: ...`, status 2
         overrides = [*args.overrides, "responses=target"]
         if args.batch is not None:

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="prompts per generated batch (the target's replies)")
     ap.add_argument("--out", help="where heldout.json/.md/.png go (default: the first run's directory)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)
     # What the user can fix (arguments, run directories, data, a missing file or the `train` extra) ends
     # with `error: ...` and status 2; errors while scoring are not caught.

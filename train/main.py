@@ -53,7 +53,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if distributed.launching(args):
         return distributed.launch(args.processes, "train.main", distributed.worker_argv(argv), args.local_devices)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # force: importing orbax (train.checkpoints) already put absl's handler on the root logger, which would
+    # make this call a no-op and drop every INFO line
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
     try:
         run = loop.setup(args, argv)

@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, help="stop after this many new chunks")
     ap.add_argument("--verify", type=int, metavar="I", help="regenerate chunk I and compare it with the manifest")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     try:
         a, b = (int(x) for x in args.heldout.split(":"))
     except ValueError:
