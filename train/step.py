@@ -8,8 +8,9 @@ Two methods share everything here but the loss and the drafter's variables (`Tra
 The target is frozen and teacher-forced: one forward gives every anchor state and the teacher logits;
 the PSM's drafts come from `PSM.train_hidden`, the exact training counterpart of the engine's
 per-cycle draft (tests/test_psm_train.py), computed only at the positions in the loss and for the
-in-flight slots their simulated fill has (`psm.deal_fills`). Loss: KL(teacher || PSM) at temperature tau,
-times tau^2, averaged over positions whose next token is a response token; top-1 agreement is logged.
+in-flight slots their simulated fill has (`psm.deal_fills`). Loss (`psm.psm_loss`): KL(teacher || PSM) at
+temperature tau, times tau^2, averaged over positions whose next token is a response token; top-1 agreement
+is logged.
 The EAGLE-3 drafter's loss is `eagle3.eagle3_loss` (the same KL over `ttt_steps` unrolled draft steps, its
 training-time test); its logged agreement is the first step's.
 
@@ -33,9 +34,8 @@ from spd_jax.decode import pipelined
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.base import join_params, split_params
 from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.objective import distill_kl, top1_ce
-from spd_jax.drafters.psm import PSM, PSMConfig, deal_fills, init_psm, psm_axes, teacher_states
-from spd_jax.models import decoder, schema
+from spd_jax.drafters.psm import PSMConfig, init_psm, psm_axes, psm_loss, teacher_states
+from spd_jax.models import schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from train import checkpoints
 from train.checkpoints import Spec
@@ -49,53 +49,6 @@ def drafter_spec(model, tc: TrainConfig) -> Spec:
     plan = pipelined.plan_for(model, tc.drafter.n, tc.drafter.stages)
     d = tc.drafter
     return PSMConfig.for_target(model.config, plan.counts, d.psm_layers, d.anchors, d.draft_vocab)
-
-
-
-def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
-             fill_accept: float | None = None, hard_weight: float = 0.0):
-    """-> (sum of the masked KL (plus hard_weight x the cross-entropy on the teacher's argmax), metrics
-    sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q] int32 and query_mask [B, Q] bool, the
-    positions t that predict a response token. keys [B]: one per sequence, so the simulated fills of a
-    sequence do not depend on how the batch is split over devices (they do depend on Q: `psm.deal_fills`).
-    The frozen target runs on all T positions (the PSM's chain reads them all); the PSM's groups, both heads
-    and the KL only on the queries. A batch that carries the target's features (anchor_states [B, T, m, H],
-    final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward."""
-    tokens = batch["tokens"]
-    cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
-    variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-                             join_params(trainable, frozen))
-    if "anchor_states" in batch:
-        h, x = batch["anchor_states"], batch["final_hidden"]
-    else:
-        h, x = teacher_states(target, tokens, cfg, spec.anchors)
-    h, x = jax.lax.stop_gradient((h, x))
-    order, blocks = deal_fills(keys, batch["query"].shape[1], spec.n, fill_accept)
-    at = jnp.take_along_axis(batch["query"], order, axis=1)  # [B, Q] in the blocks' order
-    w = jnp.take_along_axis(batch["query_mask"], order, axis=1).astype(jnp.float32)
-    psm = PSM(cfg, spec)
-    ys = psm.apply(variables, h, [(at[:, a:a + len(f)], f, K) for a, f, K in blocks], method=PSM.train_hidden)
-    student = psm.apply(variables, jnp.concatenate(ys, axis=1), target["final_norm"],
-                        method=PSM.head_logits)  # [B, Q, V']
-    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, jnp.take_along_axis(x, at[..., None], axis=1),
-                                                      cfg))  # [B, Q, V]
-    drafted = jnp.argmax(student, -1)
-    if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
-        ids = variables["vocab"]["ids"]
-        teacher_v, drafted = teacher[..., ids], ids[drafted]
-    else:
-        teacher_v = teacher
-    kl = distill_kl(student, teacher_v, tau)
-    # against the unrestricted teacher: what greedy verification would accept
-    agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
-    kl_sum = (kl * w).sum()
-    loss = kl_sum
-    if hard_weight:
-        # only where the teacher's token is in the draft vocabulary: elsewhere no draft is accepted, and
-        # the restricted argmax would teach a token verification rejects
-        hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == jnp.argmax(teacher, -1))
-        loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * hit).sum()
-    return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
 
 
 def compute_target(model, tc: TrainConfig) -> dict:

@@ -267,7 +267,7 @@ def eagle3_axes(cfg: ModelConfig, spec: Eagle3Config) -> dict:
 
 def eagle3_loss(trainable, frozen, target, batch, keys=None, *, cfg: ModelConfig, spec: Eagle3Config, tau: float = 1.0,
                 steps: int = 3):
-    """The training-time-test loss, with `train.step.psm_loss`'s conventions -> (sum of the masked KL,
+    """The training-time-test loss, with `drafters.psm.psm_loss`'s conventions -> (sum of the masked KL,
     metrics sums). batch: tokens [B, T] int32, mask [B, T] bool (position t predicts a response
     token); keys: unused (no simulated randomness), accepted so a training step calls either loss alike.
     Step i's row at index t predicts the token at t + i + 2, i.e. matches the teacher's logits at
