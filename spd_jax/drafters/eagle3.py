@@ -17,24 +17,26 @@ so what is trained is what `Eagle3Drafter.propose` computes (tests/test_chain.py
 Checkpoints are orbax + `eagle3.json` naming the target (its architecture and a fingerprint of its
 weights) and the feature layers; a mismatch is refused.
 A drafter trained for a default model ships under `spd_jax/eagle3s/<model>/` (`shipped_eagle3`).
-This module holds the drafter's network, its loss and its checkpoints; the loop is `decode.chain`.
+This module holds the drafter's network, its loss, its checkpoints and its registry entry (`KIND`, with what
+training asks of it: `TRAINING`); the loop is `decode.chain`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.distributed import to_host
 from spd_jax.drafters.base import features, join_params, teacher_forward
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters import store
-from spd_jax.drafters.kind import DrafterKind
+from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.shared import DraftHead, check_target, logical_axes, random_variables, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import head_cost, kind_cost
@@ -349,6 +351,33 @@ def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int =
     return [layer, head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)]
 
 
+def _eval_options(spec: Eagle3Config, variables: dict, d: Any) -> dict:
+    """Chain decoding at k = eval_k with these weights, on this process's default device (the training state
+    is replicated over the training mesh)."""
+    local = jax.tree.map(lambda a: jnp.asarray(to_host(a)), variables)
+    return dict(k=d.eval_k, drafter_spec=(spec, local))
+
+
+TRAINING = Training(
+    export_dir="drafter", metric="tokens_per_round",  # tokens per target pass: the chain's S0
+    config=lambda cfg, plan, d: Eagle3Config.for_target(cfg, d.feature_layers, d.draft_vocab),
+    loss=eagle3_loss, loss_options=lambda d: dict(steps=d.ttt_steps), axes=eagle3_axes,
+    # the loader refuses another target or other feature layers: the only shapes a run's settings change
+    # besides the draft vocabulary, whose head is the target's (not loaded)
+    warm_start=lambda model, spec, init_from, log: load_eagle3(
+        init_from, model.config, model.params, jnp.float32, spec.layers, target_weights=model.weights_fingerprint,
+        model_name=str(model.path))[1],
+    eval_options=_eval_options,
+    eval_summary=lambda spec, tokens, rounds, d: dict(
+        tokens_per_round=tokens / rounds if rounds else float("nan"), eval_tokens=tokens, eval_rounds=rounds,
+        eval_k=d.eval_k),
+    describe=lambda name, spec, d: (f"EAGLE-3 drafter for {name}: feature layers {list(spec.layers)}, {d.ttt_steps} "
+                                    f"training-time-test steps, quick eval at k={d.eval_k}"),
+    exported=lambda final, spec, step, d: (f"EAGLE-3 drafter (step {step}) written to {final} (use: python -m "
+                                           f"infer.generate --mode eagle3 --k {d.eval_k} --drafter {final})"),
+    trained=lambda d: dict(ttt_steps=d.ttt_steps))
+
+
 KIND = DrafterKind(
     name=KIND_NAME, label="EAGLE-3", a_label="an EAGLE-3", noun="EAGLE-3 drafter", identity_file="eagle3.json",
     config=Eagle3Config, error=Eagle3CheckpointError, shipped_dir=SHIPPED_DIR, to_json=spec_to_json,
@@ -357,7 +386,7 @@ KIND = DrafterKind(
     random_config=lambda cfg, plan=None, num_layers=None: Eagle3Config.for_target(cfg),
     shipped=lambda model_name, plan=None: shipped_eagle3(model_name), misfit=lambda spec, plan: None, cost=_cost,
     flag="--drafter", train_fix="train an EAGLE-3 drafter for {model} (python -m train.main with method: eagle3, model: {model}) "
-              "or use one trained for it",
+              "or use one trained for it", training=TRAINING,
     why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)")
 
 

@@ -1,7 +1,8 @@
-"""What a drafter with a network is to the rest of the library (`DrafterKind`), and which weights of it
-a call runs (`DrafterRef`). Each drafter's own module defines its kind; `drafters.registry` lists them
-and resolves references; `drafters.store` reads and writes their checkpoints through the kind. Nothing
-here imports JAX or a drafter."""
+"""What a drafter with a network is to the rest of the library (`DrafterKind`), what training asks of it
+(`Training`), and which weights of it a call runs (`DrafterRef`). Each drafter's own module defines its
+kind; `drafters.registry` lists them and resolves references; `drafters.store` reads and writes their
+checkpoints through the kind; train/ trains them through `DrafterKind.training`. Nothing here imports JAX
+or a drafter."""
 
 from __future__ import annotations
 
@@ -14,6 +15,42 @@ from typing import Any, Callable
 # Every kind's identity file, in the order the kinds were made: what marks a directory as a drafter
 # checkpoint (`store.content_id`), so a new kind needs no change there.
 IDENTITY_FILES: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What training (train/) asks of a drafter kind, so that it never branches on which drafter it trains.
+    `d` below is train's `DrafterConfig` section (duck-typed: this module imports nothing of train), `spec`
+    the kind's config, `model` a loaded `spd_jax.Model`."""
+
+    export_dir: str  # the run directory's subdirectory its trained drafter is exported to: "psm", "drafter"
+    metric: str  # the quick eval's headline figure (a key of `eval_summary`'s dict): "S0", "tokens_per_round"
+    # (cfg, plan, d) -> the config a run trains for the target cfg; plan: the stage plan `infer.generate`
+    # makes for a `staged` kind (it is trained for one), None for the others
+    config: Callable[[Any, Any, Any], Any]
+    # (trainable, frozen, target, batch, keys, *, cfg, spec, tau, **loss_options(d)) -> (loss sum, metric
+    # sums): the step's loss (`train.step.make_step` says what the sums hold)
+    loss: Callable[..., tuple]
+    loss_options: Callable[[Any], dict]  # d -> the loss's own keyword options (beyond cfg, spec, tau)
+    axes: Callable[[Any, Any], dict]  # (cfg, spec) -> its variables with each leaf's logical axes
+    # (model, spec, init_from, log) -> the variables exported at init_from (float32) for a warm start of a run
+    # training spec: refused (ValueError, naming the setting to change) when their shapes do not fit spec;
+    # a fit that is only a warm start (trained for another plan) is noted with log.warning
+    warm_start: Callable[..., dict]
+    # (spec, variables, d) -> `spd_jax.generate`'s options for the quick eval besides the method (the one
+    # that runs this kind: `methods.of_drafter`) and the prompt
+    eval_options: Callable[[Any, dict, Any], dict]
+    # (spec, tokens, steps, d) -> the quick eval's figures, pooled over its prompts; steps: the method's
+    # target steps (`Method.steps`: SPD's cycles, the chain's rounds)
+    eval_summary: Callable[[Any, int, int, Any], dict]
+    describe: Callable[[str, Any, Any], str]  # (model name, spec, d) -> what a run trains, for its first log line
+    exported: Callable[[Any, Any, int, Any], str]  # (directory, spec, step, d) -> the export's log line (how to run it)
+    init_options: Callable[[Any], dict] = lambda d: {}  # d -> `DrafterKind.init`'s keyword options for a new run
+    identity: Callable[[Any], dict] = lambda d: {}  # d -> settings the resume identity holds beside the spec
+    trained: Callable[[Any], dict] = lambda d: {}  # d -> settings the export's "trained" record adds
+    # a spec a run recorded in its identity (JSON) -> as this version writes it: the fields added since with
+    # their defaults, so an older run still resumes
+    recorded_spec: Callable[[dict], dict] = lambda s: s
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -43,6 +80,7 @@ class DrafterKind:
     cost: Callable[..., list]
     flag: str  # the CLI flag (infer.generate) that names a checkpoint of it
     train_fix: str  # how to get one for a model ({model}): the fix a refusal names
+    training: Training  # what train/ asks of it
     missing_hint: str = ""  # appended when a directory has no identity file
     why_random: str = "an untrained one was asked for"  # a random one on request, in the notice
     # drafts inside the pipeline for one stage plan (the PSM): trained at a depth n from the target's

@@ -1,6 +1,6 @@
 """The drafters with a network, by name (`KINDS`: the PSM and EAGLE-3), and how a call's `DrafterRef`
 becomes weights to run (`source`, `resolve`), the same way for every kind. Adding a drafter: its own
-module defines a `DrafterKind`; list it here."""
+module defines a `DrafterKind` (with its `Training`, what train/ asks of it); list it here."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ def kind(name: str) -> DrafterKind:
     if name not in KINDS:
         raise ValueError(f"unknown drafter {name!r}: one of {', '.join(KINDS)}")
     return KINDS[name]
+
+
+def of_config(config: Any) -> DrafterKind:
+    """The kind whose config class config is (what a training run's spec is a kind of)."""
+    for k in KINDS.values():
+        if type(config) is k.config:
+            return k
+    raise TypeError(f"{type(config).__name__} is no drafter kind's config (one of "
+                    f"{', '.join(k.config.__name__ for k in KINDS.values())})")
 
 
 def of_checkpoint(path: str | Path) -> DrafterKind:

@@ -1,21 +1,24 @@
 """The PSM's entry in the drafter registry (`KIND`): its random init from the target, its identity file
 (psm.json: format, config and the target it was trained for), the checks a loaded one must pass (target,
-pipeline depth, stage plan, anchors), where trained ones ship and what one draft costs. Reading and
-writing its checkpoints is `drafters.store`'s; `save_psm`, `read_spec` and `load_psm` name the kind."""
+pipeline depth, stage plan, anchors), where trained ones ship, what one draft costs and what training asks
+of it (`TRAINING`: its config from train's settings, its loss `psm_loss`, its warm start, its quick eval).
+Reading and writing its checkpoints is `drafters.store`'s; `save_psm`, `read_spec` and `load_psm` name the
+kind."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters import store
-from spd_jax.drafters.kind import DrafterKind
+from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema
+from spd_jax.drafters.psm.objective import psm_loss
 from spd_jax.drafters.shared import check_target, logical_axes, random_variables
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import psm_costs
@@ -109,6 +112,53 @@ def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2)
     return psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1, context, param_bytes)
 
 
+def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
+    """The PSM exported at init_from, for a run training spec: the same layer count and anchor count (the
+    projections' shapes), for this target; trained for another plan, it is still a warm start (noted)."""
+    was = read_spec(init_from)
+    if was.num_layers != spec.num_layers:
+        raise ValueError(f"init_from {init_from} has {was.num_layers} PSM layers, this run {spec.num_layers}; "
+                         f"set psm_layers={was.num_layers}")
+    if was.m != spec.m:
+        raise ValueError(f"init_from {init_from} reads {was.m} anchors {list(was.anchors)}, this run "
+                         f"{spec.m} {list(spec.anchors)}: its projections do not fit; set anchors="
+                         f"{','.join(map(str, was.anchors))} or start without init_from")
+    if (was.plan, was.anchors) != (spec.plan, spec.anchors):
+        # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
+        # embedding-only projection (the drafting row's) mean the same; the staircase and what the
+        # deeper anchors hold change, and training adapts them.
+        log.warning("init_from %s was trained for n=%d (plan %s, anchors %s); this run is n=%d (plan %s, "
+                    "anchors %s): a warm start only", init_from, was.n, list(was.plan), list(was.anchors),
+                    spec.n, list(spec.plan), list(spec.anchors))
+    # the target (model) is still checked: another model's PSM is refused
+    return load_psm(init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
+                    target_weights=model.weights_fingerprint, model_name=str(model.path))[1]
+
+
+def _eval_summary(spec: PSMConfig, tokens: int, cycles: int, d: Any) -> dict:
+    """SPD's alpha (tokens per cycle) and S0 = alpha * L / max(stage layers), the paper's figure."""
+    alpha = tokens / cycles
+    return dict(alpha=alpha, S0=alpha * sum(spec.plan) / max(spec.plan), eval_tokens=tokens, eval_cycles=cycles)
+
+
+TRAINING = Training(
+    export_dir="psm", metric="S0",
+    config=lambda cfg, plan, d: PSMConfig.for_target(cfg, plan.counts, d.psm_layers, d.anchors, d.draft_vocab),
+    loss=psm_loss, loss_options=lambda d: dict(fill_accept=d.fill_accept, hard_weight=d.hard_weight),
+    axes=psm_axes, warm_start=_warm_start,
+    # SPD at the PSM's own n and plan (the quick eval needs n devices: train.loop checks)
+    eval_options=lambda spec, variables, d: dict(n=spec.n, stage_layers=spec.plan, spec=(spec, variables)),
+    eval_summary=_eval_summary,
+    describe=lambda name, spec, d: (f"PSM for {name}: n={spec.n}, stages {list(spec.plan)}, anchors "
+                                    f"{list(spec.anchors)}, staircase {list(spec.staircase)}, Ls={spec.num_layers}"),
+    exported=lambda final, spec, step, d: (f"PSM (step {step}) written to {final} (use: python -m infer.generate "
+                                           f"--n {spec.n} --spec {final})"),
+    init_options=lambda d: dict(layers_from_target=d.layers_from_target),
+    # psm_layers is in the spec too (num_layers); kept in the identity as runs have always recorded it
+    identity=lambda d: dict(psm_layers=d.psm_layers),
+    recorded_spec=lambda s: spec_to_json(spec_from_json(s)))
+
+
 KIND = DrafterKind(
     name="psm", label="PSM", a_label="a PSM", noun="PSM", identity_file="psm.json", config=PSMConfig,
     error=PSMCheckpointError, shipped_dir=SHIPPED_DIR, to_json=spec_to_json, from_json=spec_from_json,
@@ -117,7 +167,7 @@ KIND = DrafterKind(
     random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
-    missing_hint="; train one with train.main", staged=True,
+    training=TRAINING, missing_hint="; train one with train.main", staged=True,
     why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
 
 
