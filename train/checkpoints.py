@@ -26,23 +26,20 @@ import orbax.checkpoint as ocp
 
 from spd_jax import distributed
 from spd_jax.config import read_json
-from spd_jax.drafters import eagle3, psm, registry
-from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.psm import PSMConfig
+from spd_jax.drafters import registry, store
 from spd_jax.drafters.store import orbax_failure, quiet_abandoned_reads
 from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger("train.checkpoints")
 
-Spec = PSMConfig | Eagle3Config  # what a run trains; its type is the method
+Spec = Any  # what a run trains: a drafter kind's config (`DrafterKind.config`); its kind is the method
 # run.json holds a run's identity and data order: without it the checkpoints cannot be resumed or exported
 RUN_JSON_DAMAGED = "restore the file from a copy, or train a new run with another --out"
 
 
 def export_name(spec: Spec) -> str:
-    """The run directory's subdirectory the trained drafter is exported to."""
-    return "drafter" if isinstance(spec, Eagle3Config) else "psm"
-
+    """The run directory's subdirectory the trained drafter is exported to (`Training.export_dir`)."""
+    return registry.of_config(spec).training.export_dir
 
 
 # ---------------------------------------------------------------- the warm start
@@ -76,28 +73,8 @@ def warm_start(model, spec: Spec, tc: TrainConfig) -> tuple[dict, dict]:
     one trained for another target, and weights other than tc.drafter.init_digest names."""
     init_from = tc.drafter.init_from
     record = warm_start_record(init_from)  # refuses a directory with no exported drafter
-    if isinstance(spec, Eagle3Config):
-        _, warm = eagle3.load_eagle3(init_from, model.config, model.params, jnp.float32, spec.layers,
-                                     target_weights=model.weights_fingerprint, model_name=str(model.path))
-    else:
-        was = psm.read_spec(init_from)
-        if was.num_layers != spec.num_layers:
-            raise ValueError(f"init_from {init_from} has {was.num_layers} PSM layers, this run {spec.num_layers}; "
-                             f"set psm_layers={was.num_layers}")
-        if was.m != spec.m:
-            raise ValueError(f"init_from {init_from} reads {was.m} anchors {list(was.anchors)}, this run "
-                             f"{spec.m} {list(spec.anchors)}: its projections do not fit; set anchors="
-                             f"{','.join(map(str, was.anchors))} or start without init_from")
-        if (was.plan, was.anchors) != (spec.plan, spec.anchors):
-            # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
-            # embedding-only projection (the drafting row's) mean the same; the staircase and what the
-            # deeper anchors hold change, and training adapts them.
-            log.warning("init_from %s was trained for n=%d (plan %s, anchors %s); this run is n=%d (plan %s, "
-                        "anchors %s): a warm start only", init_from, was.n, list(was.plan), list(was.anchors),
-                        spec.n, list(spec.plan), list(spec.anchors))
-        # the target (model) is still checked: another model's PSM is refused
-        was, warm = psm.load_psm(init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
-                                 target_weights=model.weights_fingerprint, model_name=str(model.path))
+    # the kind refuses a drafter whose shapes do not fit spec, or one for another target
+    warm = registry.of_config(spec).training.warm_start(model, spec, init_from, log)
     # copies (training donates its buffers); proj_a are {kernel} dicts
     params = {k: jax.tree.map(lambda a: jnp.array(a, copy=True), w) for k, w in warm["params"].items()
               if k != "lm_head"}
@@ -114,9 +91,10 @@ def warm_start_record(init_from: str | Path, digest: str | None = None) -> dict[
     keep this record rather than re-read the directory, which may later hold another drafter (a
     longer-trained PSM shipped in its place)."""
     path = Path(init_from)
-    meta_file = next((path / f for f in ("psm.json", "eagle3.json") if (path / f).is_file()), None)
+    names = [k.identity_file for k in registry.KINDS.values()]  # psm.json, eagle3.json
+    meta_file = next((path / f for f in names if (path / f).is_file()), None)
     if meta_file is None:
-        raise FileNotFoundError(f"init_from {init_from}: no psm.json or eagle3.json there (give a directory "
+        raise FileNotFoundError(f"init_from {init_from}: no {' or '.join(names)} there (give a directory "
                                 "train.main exported, e.g. runs/NAME/psm or spd_jax/psms/...)")
     meta = json.loads(meta_file.read_text())
     trained = meta.get("trained", {})
@@ -180,11 +158,11 @@ class Checkpoints:
 
 
 def run_identity(model, spec: Spec, tc: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed or used: the method, the drafter's spec, the target."""
-    if isinstance(spec, Eagle3Config):
-        return dict(method=registry.EAGLE3.name, spec=eagle3.spec_to_json(spec), model=str(model.path))
-    return dict(method=registry.PSM.name, spec=psm.spec_to_json(spec), model=str(model.path),
-                psm_layers=tc.drafter.psm_layers)
+    """What a checkpoint must agree with to be resumed or used: the method, the drafter's spec, the target (and
+    the kind's settings besides the spec, `Training.identity`: a PSM's psm_layers)."""
+    kind = registry.of_config(spec)
+    return dict(method=kind.name, spec=kind.to_json(spec), model=str(model.path),
+                **kind.training.identity(tc.drafter))
 
 
 def check_resume(was: dict, identity: dict) -> None:
@@ -196,8 +174,7 @@ def check_resume(was: dict, identity: dict) -> None:
     if was["method"] != identity["method"]:
         raise ValueError(f"it trained method {was['method']!r}; this config trains method {identity['method']!r} "
                          "(set method=... to match, or use a new --out)")
-    if registry.kind(was["method"]) is registry.PSM:
-        was["spec"] = json.loads(json.dumps(psm.spec_to_json(psm.spec_from_json(was["spec"]))))
+    was["spec"] = json.loads(json.dumps(registry.kind(was["method"]).training.recorded_spec(was["spec"])))
     if was != identity:
         def flat(d, pre=""):
             return {k2: v2 for k, v in d.items()
@@ -227,14 +204,11 @@ def check_same_data(was: dict, tc: TrainConfig) -> None:
 
 def save_drafter(path: Path, variables: dict, spec: Spec, extra: dict) -> None:
     """Export trained variables to a new directory without the LM head (the target's, shared, which the
-    loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: a PSM
-    through `save_psm`, an EAGLE-3 drafter through `eagle3.save_eagle3`."""
+    loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: `store.save`
+    of the spec's kind (psm.json, eagle3.json)."""
     variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
     extra = dict(extra, head="shared")
-    if isinstance(spec, Eagle3Config):
-        eagle3.save_eagle3(path, variables, spec, extra)
-    else:
-        psm.save_psm(path, variables, spec, extra)
+    store.save(registry.of_config(spec), path, variables, spec, extra)
 
 
 def read_run(out: Path) -> dict:
@@ -272,14 +246,9 @@ def export(final: Path, variables, spec: Spec, tc: TrainConfig, config: dict, me
                    backend=jax.default_backend(), config=config)
     if recipe:
         trained.update(recipe=recipe)
-    if not tc.drafter.kind.staged:
-        trained.update(ttt_steps=tc.drafter.ttt_steps)
+    t = registry.of_config(spec).training
+    trained.update(t.trained(tc.drafter))  # the kind's own settings: an EAGLE-3 drafter's ttt_steps
     if warm_start:
         trained.update(warm_start=warm_start)
     save_drafter(final, variables, spec, dict(trained=trained, target_weights=target_weights))
-    if not tc.drafter.kind.staged:
-        log.info("EAGLE-3 drafter (step %d) written to %s (use: python -m infer.generate --mode eagle3 --k %d "
-                 "--drafter %s)", step, final, tc.drafter.eval_k, final)
-    else:
-        log.info("PSM (step %d) written to %s (use: python -m infer.generate --n %d --spec %s)", step, final,
-                 spec.n, final)
+    log.info("%s", t.exported(final, spec, step, tc.drafter))

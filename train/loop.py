@@ -237,14 +237,8 @@ def setup(args, argv: list[str]) -> Run:
 
 
 def _describe(tc: TrainConfig, spec: Spec, model, n_data: int, n_model: int) -> None:
-    if not tc.drafter.kind.staged:
-        log.info("EAGLE-3 drafter for %s: feature layers %s, %d training-time-test steps, quick eval at k=%d; "
-                 "mesh %dx%d on %s", model.path.name, list(spec.layers), tc.drafter.ttt_steps, tc.drafter.eval_k,
-                 n_data, n_model, jax.default_backend())
-    else:
-        log.info("PSM for %s: n=%d, stages %s, anchors %s, staircase %s, Ls=%d; mesh %dx%d on %s",
-                 model.path.name, spec.n, list(spec.plan), list(spec.anchors), list(spec.staircase), spec.num_layers,
-                 n_data, n_model, jax.default_backend())
+    log.info("%s; mesh %dx%d on %s", tc.drafter.kind.training.describe(model.path.name, spec, tc.drafter), n_data,
+             n_model, jax.default_backend())
 
 
 def _record(args, argv: list[str], run: Run, recorded: dict, identity: dict) -> None:

@@ -8,13 +8,11 @@ full evaluation is infer.evaluate's.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import spd_jax
-from spd_jax.distributed import to_host
-from spd_jax.drafters.eagle3 import Eagle3Config
+from spd_jax import methods
+from spd_jax.drafters import registry
 from train.checkpoints import Spec
 from train.config import TrainConfig
 
@@ -32,32 +30,22 @@ def eval_prompts(heldout: list, tc: TrainConfig, max_prompt: int = 120) -> list[
 
 def eval_metric(spec: Spec) -> str:
     """The quick eval's headline figure: S0 (PSM) or tokens_per_round (EAGLE-3: tokens per target pass)."""
-    return "tokens_per_round" if isinstance(spec, Eagle3Config) else "S0"
+    return registry.of_config(spec).training.metric
 
 
 def quick_eval(model, spec: Spec, variables: dict, prompts: list[np.ndarray], tc: TrainConfig) -> dict:
-    """Greedy decoding with the drafter on the held-out prompts, pooled over them as sum / sum (the
-    paper's convention). PSM: alpha and S0 of SPD at its n (sum(tokens) / sum(cycles)). EAGLE-3:
-    tokens_per_round of chain decoding with k = tc.drafter.eval_k on one device (sum(tokens) / sum(rounds):
-    tokens per target pass, its S0)."""
+    """Greedy decoding with the drafter on the held-out prompts by the method that runs its kind, pooled over
+    them as sum / sum (the paper's convention; `Training.eval_summary`). PSM: alpha and S0 of SPD at its n
+    (sum(tokens) / sum(cycles)). EAGLE-3: tokens_per_round of chain decoding with k = tc.drafter.eval_k on one
+    device (sum(tokens) / sum(rounds): tokens per target pass, its S0)."""
     if not prompts:
         return {}
-    if isinstance(spec, Eagle3Config):
-        # the state is replicated over the training mesh; the chain runs on this process's default device
-        local = jax.tree.map(lambda a: jnp.asarray(to_host(a)), variables)
-        tokens = rounds = 0
-        for ids in prompts:
-            res = spd_jax.generate(model, ids, tc.run.eval_tokens, method="eagle3", k=tc.drafter.eval_k,
-                                   drafter_spec=(spec, local), stop_at_eos=False)
-            tokens += res.stats["tokens"]
-            rounds += res.stats["rounds"]
-        return dict(tokens_per_round=tokens / rounds if rounds else float("nan"), eval_tokens=tokens,
-                    eval_rounds=rounds, eval_k=tc.drafter.eval_k)
-    tokens = cycles = 0
+    kind = registry.of_config(spec)
+    method = methods.of_drafter(kind)
+    options = kind.training.eval_options(spec, variables, tc.drafter)
+    tokens = steps = 0
     for ids in prompts:
-        res = spd_jax.generate(model, ids, tc.run.eval_tokens, method="spd", n=spec.n, stage_layers=spec.plan,
-                               spec=(spec, variables), stop_at_eos=False)
+        res = spd_jax.generate(model, ids, tc.run.eval_tokens, method=method.name, stop_at_eos=False, **options)
         tokens += res.stats["tokens"]
-        cycles += res.stats["cycles"]
-    alpha = tokens / cycles
-    return dict(alpha=alpha, S0=alpha * sum(spec.plan) / max(spec.plan), eval_tokens=tokens, eval_cycles=cycles)
+        steps += method.steps(res.stats)
+    return kind.training.eval_summary(spec, tokens, steps, tc.drafter)

@@ -1,9 +1,10 @@
 """The training step: the drafter a config trains, its loss, the optimiser, the jitted update and the
 initial state.
 
-Two methods share everything here but the loss and the drafter's variables (`TrainConfig.drafter.method`):
-"psm", the Pipeline Speculation Module, and "eagle3", the EAGLE-3-style chain drafter
-(`spd_jax.drafters.eagle3`), so both see the same batches, optimiser and positions.
+Two methods share everything here but the loss and the drafter's variables, which the drafter kind's
+`Training` record gives (`TrainConfig.drafter.method` names the kind): "psm", the Pipeline Speculation
+Module, and "eagle3", the EAGLE-3-style chain drafter (`spd_jax.drafters.eagle3`), so both see the same
+batches, optimiser and positions.
 
 The target is frozen and teacher-forced: one forward gives every anchor state and the teacher logits;
 the PSM's drafts come from `PSM.train_hidden`, the exact training counterpart of the engine's
@@ -31,10 +32,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spd_jax.decode import pipelined
-from spd_jax.drafters import eagle3
-from spd_jax.drafters.base import join_params, split_params
-from spd_jax.drafters.eagle3 import Eagle3Config
-from spd_jax.drafters.psm import PSMConfig, init_psm, psm_axes, psm_loss, teacher_states
+from spd_jax.drafters import registry
+from spd_jax.drafters.base import split_params
+from spd_jax.drafters.psm import teacher_states
 from spd_jax.models import schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from train import checkpoints
@@ -42,17 +42,16 @@ from train.checkpoints import Spec
 from train.config import COMPUTE_DTYPES, TrainConfig
 
 def drafter_spec(model, tc: TrainConfig) -> Spec:
-    """The drafter a run trains: an EAGLE-3 drafter (feature layers, draft vocabulary), or a PSM for the
-    stage plan `infer.generate` makes at n (or tc.drafter.stages) with tc's layers and anchors."""
-    if not tc.drafter.kind.staged:
-        return Eagle3Config.for_target(model.config, tc.drafter.feature_layers, tc.drafter.draft_vocab)
-    plan = pipelined.plan_for(model, tc.drafter.n, tc.drafter.stages)
+    """The drafter a run trains: its kind's config from tc.drafter (`Training.config`); a PSM's for the stage
+    plan `infer.generate` makes at n (or tc.drafter.stages) with tc's layers and anchors, an EAGLE-3
+    drafter's with its feature layers and draft vocabulary."""
     d = tc.drafter
-    return PSMConfig.for_target(model.config, plan.counts, d.psm_layers, d.anchors, d.draft_vocab)
+    plan = pipelined.plan_for(model, d.n, d.stages) if d.kind.staged else None  # staged: trained for one plan
+    return d.kind.training.config(model.config, plan, d)
 
 
 def compute_target(model, tc: TrainConfig) -> dict:
-    """The frozen target's weights in the compute dtype (psm_loss computes in their dtype)."""
+    """The frozen target's weights in the compute dtype (the losses compute in their dtype)."""
     return jax.tree.map(lambda t: t.astype(compute_dtype(tc)), model.params)
 
 
@@ -77,17 +76,15 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 def loss_fn(cfg, spec: Spec, tc: TrainConfig):
     """The method's loss with its settings bound: (trainable, frozen, target, batch, keys) -> (loss sum,
-    metric sums): `psm_loss`, or `eagle3.eagle3_loss` unrolling tc.drafter.ttt_steps draft steps."""
-    if isinstance(spec, Eagle3Config):
-        return functools.partial(eagle3.eagle3_loss, cfg=cfg, spec=spec, tau=tc.drafter.tau, steps=tc.drafter.ttt_steps)
-    return functools.partial(psm_loss, cfg=cfg, spec=spec, tau=tc.drafter.tau, fill_accept=tc.drafter.fill_accept,
-                             hard_weight=tc.drafter.hard_weight)
+    metric sums): the kind's (`Training.loss`: `psm.psm_loss`, or `eagle3.eagle3_loss` unrolling
+    tc.drafter.ttt_steps draft steps) at tc.drafter.tau, with its options from tc.drafter."""
+    t = registry.of_config(spec).training
+    return functools.partial(t.loss, cfg=cfg, spec=spec, tau=tc.drafter.tau, **t.loss_options(tc.drafter))
 
 
 def frozen_axes(cfg, spec: Spec) -> dict:
     """The logical axes of the frozen variables `split_params` leaves (the shared head, vocabulary ids)."""
-    axes = eagle3.eagle3_axes(cfg, spec) if isinstance(spec, Eagle3Config) else psm_axes(cfg, spec)
-    return split_params(axes)[1]
+    return split_params(registry.of_config(spec).training.axes(cfg, spec))[1]
 
 
 def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
@@ -176,9 +173,10 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     return step
 
 
-def make_teacher(cfg, spec: PSMConfig, mesh):
+def make_teacher(cfg, spec: Spec, mesh):
     """-> jitted (target, tokens [B, T]) -> (anchor states [B, T, m, H], last hidden [B, T, H]): the
-    teacher forward `psm_loss` runs, alone, for the teacher cache; sharded like the step's inputs."""
+    teacher forward `psm.psm_loss` runs, alone, for the teacher cache (a staged kind's: its anchors); sharded
+    like the step's inputs."""
     return jax.jit(lambda target, tokens: teacher_states(target, tokens, cfg, spec.anchors),
                    in_shardings=(target_shardings(cfg, mesh), batch_sharding(mesh)),
                    out_shardings=batch_sharding(mesh))
@@ -198,11 +196,9 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None, warm: di
     """-> (state {params, opt, step}, frozen variables) of a new run: the drafter's initial weights, with
     tc.drafter.init_from's in their place (`checkpoints.warm_start`; `warm`: those params, already read),
     their optimiser state, step 0. The head is the target's (frozen) at this run's vocabulary."""
-    if isinstance(spec, Eagle3Config):
-        variables = eagle3.init_eagle3(model.config, spec, model.params, seed=tc.run.seed, vocab_ids=vocab_ids)
-    else:
-        variables = init_psm(model.config, spec, model.params, seed=tc.run.seed,
-                             layers_from_target=tc.drafter.layers_from_target, vocab_ids=vocab_ids)
+    kind = registry.of_config(spec)
+    variables = kind.init(model.config, spec, model.params, seed=tc.run.seed, vocab_ids=vocab_ids,
+                          **kind.training.init_options(tc.drafter))
     if warm is None and tc.drafter.init_from:
         warm, _ = checkpoints.warm_start(model, spec, tc)
     if warm is not None:
