@@ -1,13 +1,18 @@
-"""The drafter registry and the method registry: one `DrafterKind` per drafter, one `DrafterRef` for the
-forms a call names a drafter in, one object per decoding method."""
+"""The drafter registry and the method registry: one `DrafterKind` per drafter (with its `Training`, what
+train/ asks of it), one `DrafterRef` for the forms a call names a drafter in, one object per decoding
+method."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from spd_jax import methods
+from spd_jax.config import ModelConfig
 from spd_jax.drafters import registry
-from spd_jax.drafters.kind import DrafterRef, Form
+from spd_jax.drafters.kind import DrafterRef, Form, Training
+from spd_jax.pipeline.costs import default_plan
+from train.config import DrafterConfig
 
 
 def test_drafter_ref_takes_the_older_forms():
@@ -34,6 +39,25 @@ def test_every_kind_is_whole():
             assert k.from_json(k.to_json(spec), str(meta.parent)) == spec
     with pytest.raises(ValueError, match="unknown drafter 'x': one of psm, eagle3"):
         registry.kind("x")
+
+
+def test_every_kind_trains_through_its_training_record():
+    """What train/ asks of a kind, asked of each the same way: the config a run trains is the kind's (and
+    leads back to it), the quick eval's headline is one of its figures, the identity reads back."""
+    cfg = ModelConfig.named("tiny-llama")
+    assert len({k.training.export_dir for k in registry.KINDS.values()}) == len(registry.KINDS)
+    for name, k in registry.KINDS.items():
+        t, d = k.training, DrafterConfig(method=name)
+        assert isinstance(t, Training) and d.kind is k
+        spec = t.config(cfg, default_plan(cfg, 2) if k.staged else None, d)
+        assert isinstance(spec, k.config) and registry.of_config(spec) is k
+        assert t.metric in t.eval_summary(spec, 12, 4, d)
+        assert "written to out/x" in t.exported(Path("out/x"), spec, 3, d) and " for m: " in t.describe("m", spec, d)
+        recorded = json.loads(json.dumps(k.to_json(spec)))  # as run.json holds it
+        assert json.loads(json.dumps(t.recorded_spec(recorded))) == recorded
+        json.dumps([t.identity(d), t.trained(d)])  # run.json and the export's record hold them
+    with pytest.raises(TypeError, match="dict is no drafter kind's config"):
+        registry.of_config({})
 
 
 def test_methods_are_objects_with_their_own_caches():

@@ -240,6 +240,74 @@ ok = method == "speed" or key in ("wq", "wk") or f"{method}" != ""
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# train/ asks a drafter kind's Training record, never which drafter it trains
+
+
+def _drafter_identities() -> tuple[set[str], set[str]]:
+    """(the drafter kinds' config class names, the registry's names for its kinds: PSM, EAGLE3)."""
+    from spd_jax.drafters import registry
+    from spd_jax.drafters.kind import DrafterKind
+    return ({k.config.__name__ for k in registry.KINDS.values()},
+            {name for name, v in vars(registry).items() if isinstance(v, DrafterKind)})
+
+
+def drafter_identity_checks(source: str, configs: set[str], kinds: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every place that asks which drafter something is: isinstance / issubclass against a
+    config class in configs, a comparison (is, ==, in, ...) with one of those classes or with a kind named
+    in kinds (registry.PSM, PSM), a match case on one of those classes. A kind's attributes (registry.PSM.name,
+    kind.staged: what it can do) are not its identity."""
+    def names(node):  # what node names itself: PSM, registry.PSM, (A, b.B); not registry.PSM.name
+        if isinstance(node, ast.Name):
+            return {node.id}
+        if isinstance(node, ast.Attribute):
+            return {node.attr}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*map(names, node.elts))
+        return set()
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            hit = names(node.args[1]) & configs
+        elif isinstance(node, ast.Compare):
+            hit = set().union(*(names(side) for side in [node.left, *node.comparators])) & (configs | kinds)
+        elif isinstance(node, ast.MatchClass):
+            hit = names(node.cls) & configs
+        else:
+            continue
+        if hit:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_train_never_asks_which_drafter_it_trains():
+    configs, kinds = _drafter_identities()
+    assert configs == {"PSMConfig", "Eagle3Config"} and kinds == {"PSM", "EAGLE3"}
+    bad = [f"{path.relative_to(ROOT)}:{line}: {code}" for mod, path in _sources().items() if _top(mod) == "train"
+           for line, code in drafter_identity_checks(path.read_text(), configs, kinds)]
+    assert not bad, ("train/ branches on which drafter it trains (ask the kind's `Training` record, "
+                     "`registry.of_config(spec).training` or `tc.drafter.kind.training`): " + "; ".join(bad))
+
+
+def test_the_drafter_identity_scan_catches_each_form():
+    src = """
+if isinstance(spec, Eagle3Config):
+    pass
+a = isinstance(spec, (eagle3.Eagle3Config, int))
+b = registry.kind(m) is registry.PSM
+c = kind == PSM
+d = type(spec) is PSMConfig
+match spec:
+    case PSMConfig():
+        pass
+ok = isinstance(spec, dict) or kind.staged or registry.PSM.name == "x" or spec.kind is other
+"""
+    found = [line for line, _ in drafter_identity_checks(src, {"PSMConfig", "Eagle3Config"}, {"PSM", "EAGLE3"})]
+    assert found == [2, 4, 5, 6, 7, 9]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the docs' commands
 
 
