@@ -11,6 +11,8 @@ import pytest
 
 import spd_jax
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
+from spd_jax.drafters import registry
+from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSMConfig, init_psm
 from spd_jax.models.costs import embed_cost, head_cost, layer_costs, psm_costs
 from spd_jax.pipeline import costs as cyc
@@ -197,6 +199,26 @@ def test_psm_and_embedding_params_match_the_loaded_weights(tiny_ckpt, tie):
         held = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(v["params"]))
         costs = psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, rows=3, context_len=10)
         assert sum(c.params for c in costs) == held, draft_vocab
+
+
+def test_the_cost_model_counts_drafters_through_their_kinds(monkeypatch):
+    """A drafter's draft is counted once, by its kind (`DrafterKind.cost`): the cycle's PSM parts and the
+    chain round's drafter steps are that count, and follow it when it changes."""
+    cfg = ModelConfig.named("qwen3-0.6b")
+    plan = cyc.default_plan(cfg, 4)
+    psm, e3 = _psm_cfg(cfg, plan, draft_vocab=1000), Eagle3Config.for_target(cfg)
+    cc = cyc.cycle_costs(cfg, plan, psm, 512)
+    assert [*cc.psm_body, cc.psm_head] == registry.PSM.cost(cfg, psm, 512, rows=plan.n + 1)
+    layer, head = registry.EAGLE3.cost(cfg, e3, 512)
+    parts = cyc.eagle3_round_costs(cfg, 3, 512)
+    assert parts["draft"] == [[head], [layer, head], [layer, head]]
+    assert parts["commit"][0][1] == registry.EAGLE3.cost(cfg, e3, 512, rows=4)[0]
+    for k in (registry.PSM, registry.EAGLE3):  # a kind's count doubled: the cost model's drafter parts double
+        monkeypatch.setattr(k, "cost", lambda *a, _c=k.cost, **kw: [dataclasses.replace(c, flops=2 * c.flops)
+                                                                    for c in _c(*a, **kw)])
+    assert [c.flops for c in cyc.cycle_costs(cfg, plan, psm, 512).psm_body] == [2 * c.flops for c in cc.psm_body]
+    assert cyc.eagle3_round_costs(cfg, 3, 512)["draft"][1] == [dataclasses.replace(c, flops=2 * c.flops)
+                                                              for c in (layer, head)]
 
 
 def test_eagle3_round_projection():

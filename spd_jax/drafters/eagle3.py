@@ -338,15 +338,16 @@ def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Se
                                     f"{list(layers)}")
 
 
-def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int = 2) -> list:
-    """One draft step: the drafter's decoder layer on one row (the target's attention layer, q/k/v and
-    the gate reading [2H]), then its head (V' rows)."""
-    H = cfg.hidden_size
+def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int = 2, cache_bytes: int | None = None,
+          rows: int | None = None) -> list:
+    """One draft step -> [layer, head]: the drafter's decoder layer on `rows` rows (default 1; the target's
+    attention layer, q/k/v and the gate reading [2H]), then its head on one row (V' rows)."""
+    H, r = cfg.hidden_size, 1 if rows is None else rows
     wide = layer_schema(cfg)
     extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
     extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
-    c = kind_cost(cfg, ATTENTION, context, param_bytes, param_bytes, 1)
-    layer = dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm,
+    c = kind_cost(cfg, ATTENTION, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes, r)
+    layer = dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
                                 weight_bytes=c.weight_bytes + extra * param_bytes)
     return [layer, head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)]
 

@@ -76,7 +76,10 @@ class DrafterKind:
     random_config: Callable[..., Any]  # (cfg, plan, num_layers) -> the config of a random one for this target
     shipped: Callable[[str | None, Any], Path | None]  # (default model name, plan) -> a shipped checkpoint
     misfit: Callable[[Any, Any], str | None]  # (config, plan) -> why a shipped config does not fit, or None
-    # (cfg, config, context, param_bytes) -> [LayerCost] of one draft (`spd_jax.models.costs`)
+    # (cfg, config, context, param_bytes=2, cache_bytes=None, rows=None) -> [LayerCost] of one draft
+    # (`spd_jax.models.costs`): weights and activations of param_bytes, cache elements of cache_bytes (None:
+    # param_bytes), over `rows` rows (None: one draft's own, e.g. a PSM's full pipeline of n + 1). The one
+    # count of the drafter's costs: the cost model (`spd_jax.pipeline.costs`) reads it
     cost: Callable[..., list]
     flag: str  # the CLI flag (infer.generate) that names a checkpoint of it
     train_fix: str  # how to get one for a model ({model}): the fix a refusal names

@@ -2,7 +2,8 @@
 the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part; and
 one round of the EAGLE-3-style chain baseline on one device (`predict_eagle3`), counted the same way.
 
-Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema):
+Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema; a
+drafter's from its kind, `DrafterKind.cost`, the one count of its draft):
 each stage's layers on one token; the embedding (stage 0); the verification head (final norm + LM
 head); the PSM's body (projections and its Ls layers over the n + 1 rows of a full pipeline, on
 `psm_device`: a stage, the last by default, or a device of its own) and its head (V rows, or the
@@ -25,16 +26,16 @@ This module computes numbers only: it must not run or compile anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
-from spd_jax.models import schema
-from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs, psm_costs
+from spd_jax.config import ModelConfig
+from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
 from spd_jax.pipeline.partition import StagePlan, balanced, plan_stages
 
-if TYPE_CHECKING:  # the drafter (Flax) is not needed to count its costs
+if TYPE_CHECKING:  # the drafters (Flax) are imported only when their costs are counted
     from spd_jax.drafters.psm import PSMConfig
 
 SCALAR_BYTES = 4  # an int32 / float32 decision value
@@ -122,15 +123,22 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, context: 
     n, H, m = plan.n, cfg.hidden_size, psm_cfg.m
     layers = layer_costs(cfg, context, param_bytes, cache_bytes)
     stages = tuple(tuple(layers[a:b]) for a, b in plan.bounds)
-    # a full pipeline: n in-flight rows plus the block's first completed row (`profile_cycle`'s block)
-    *body, psm_head = psm_costs(cfg, psm_cfg.num_layers, m, psm_cfg.draft_vocab, n + 1, context, param_bytes,
-                                cache_bytes)
-    V_draft = psm_cfg.draft_vocab or cfg.vocab_size
-    psm_shard = head_cost(cfg, param_bytes, -(-V_draft // D))
+    # the PSM's draft (its kind's cost) over a full pipeline: n in-flight rows plus the block's first completed
+    # row (`profile_cycle`'s block); its head's shard is the head of a PSM over one device's ceil(V' / D) rows
+    cost = functools.partial(_drafter_kinds().PSM.cost, cfg, context=context, param_bytes=param_bytes,
+                             cache_bytes=cache_bytes, rows=n + 1)
+    *body, psm_head = cost(psm_cfg)
+    psm_shard = cost(dataclasses.replace(psm_cfg, draft_vocab=-(-(psm_cfg.draft_vocab or cfg.vocab_size) // D)))[-1]
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
-                      head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head,
-                      dataclasses.replace(psm_shard, kind="psm_head", params=psm_shard.params - H),
+                      head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head, psm_shard,
                       H * param_bytes, m * H * param_bytes, psm_device)
+
+
+def _drafter_kinds():
+    """`spd_jax.drafters.registry`, whose kinds' `cost` is the one count of each drafter's draft; imported
+    when counted (the drafters import Flax, and this module needs none of it otherwise)."""
+    from spd_jax.drafters import registry
+    return registry
 
 
 def check_psm_device(n: int, psm_device: int | None) -> int:
@@ -306,28 +314,21 @@ def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int 
       rows; weights and caches read once, FLOPs times k + 1);
     - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
     The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
-    from spd_jax.drafters import eagle3  # the drafter layer's weight schema (imports Flax: only when counted)
+    from spd_jax.drafters.eagle3 import Eagle3Config  # the drafter (Flax): only when counted
 
     H, rows, pb = cfg.hidden_size, k + 1, param_bytes
-    m = len(eagle3.default_layers(cfg.num_layers))
-    wide = eagle3.layer_schema(cfg)
-    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
-    extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
-
-    def drafter_layer(r):
-        c = kind_cost(cfg, ATTENTION, context, pb, pb, r)
-        return dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
-                                   weight_bytes=c.weight_bytes + extra * pb)
+    spec = Eagle3Config.for_target(cfg, draft_vocab=draft_vocab)  # the default feature layers
+    m, cost = len(spec.layers), _drafter_kinds().EAGLE3.cost
+    step_layer, d_head = cost(cfg, spec, context, pb)  # one draft step: the layer on one row, the head
+    commit_layer, _ = cost(cfg, spec, context, pb, rows=rows)
 
     def times(c, r):  # a head or an embedding on r rows: FLOPs and activations r times, weights once
         return dataclasses.replace(c, flops=c.flops * r, state_bytes=c.state_bytes * r)
 
-    d_head = head_cost(cfg, pb, draft_vocab or cfg.vocab_size)
     fc = LayerCost("eagle3_fc", m * H * H, 2 * m * H * H * rows, m * H * H * pb, rows * m * H * pb)
     target = [times(embed_cost(cfg, pb), rows), *[kind_cost(cfg, kind, context, pb, pb, rows) for kind in
                                                   cfg.layer_types], times(head_cost(cfg, pb), rows)]
-    return dict(draft=[[d_head]] + [[drafter_layer(1), d_head]] * (k - 1), target=[target],
-                commit=[[fc, drafter_layer(rows)]])
+    return dict(draft=[[d_head]] + [[step_layer, d_head]] * (k - 1), target=[target], commit=[[fc, commit_layer]])
 
 
 def predict_eagle3(cfg: ModelConfig, k: int, hw: Hardware, context: int, tokens_per_round: float,

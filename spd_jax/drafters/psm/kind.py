@@ -107,9 +107,12 @@ def _misfit(spec: PSMConfig, plan) -> str | None:
             f"not {list(plan.counts)}")
 
 
-def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2) -> list:
-    """One draft: the projections and Ls layers over the block of n + 1 rows, and the head."""
-    return psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1, context, param_bytes)
+def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2, cache_bytes: int | None = None,
+          rows: int | None = None) -> list:
+    """One draft: the projections and Ls layers over the block of `rows` rows (default n + 1: a full
+    pipeline), and the head -> [projections, Ls layers, head]."""
+    return psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1 if rows is None else rows, context,
+                     param_bytes, param_bytes if cache_bytes is None else cache_bytes)
 
 
 def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
