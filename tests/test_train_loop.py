@@ -23,6 +23,7 @@ from spd_jax.sharding import data_model_mesh, parse_mesh
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, check_spec, load_psm
 from spd_jax.drafters.base import join_params
+from spd_jax.models import decoder
 from spd_jax.reports.plots import plot_curves
 from spd_jax.reports.results import read_rows
 from train import checkpoints as train_checkpoints
@@ -218,7 +219,6 @@ def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
     # over a draft vocabulary, only where the teacher's own token is in it: a vocabulary without any of
     # the teacher's tokens at the loss positions gets no hard term, one with all of them gets it
     from spd_jax.drafters.psm import teacher_states
-    from spd_jax.models import decoder
 
     cfg = llama.config
     _, x = teacher_states(llama.params, jnp.asarray(batch["tokens"]), cfg, spec.anchors)
@@ -230,11 +230,21 @@ def test_hard_weight_adds_the_cross_entropy_on_the_teachers_argmax(llama):
     without = np.array(sorted(set(range(cfg.vocab_size)) - wanted)[:V], np.int32)
     with_all = np.array(sorted(wanted | set(without[:V - len(wanted)].tolist())), np.int32)
     spec_v = PSMConfig.for_target(cfg, spec.plan, tc.psm_layers, draft_vocab=V)
+    # the teacher cache's batch (features and the teacher's greedy token per query): the teacher's logits
+    # over the V' rows only take the same loss, hard term and agreement as the whole head's, gathered
+    h, x = teacher_states(llama.params, jnp.asarray(batch["tokens"]), cfg, spec.anchors)
+    cached = dict(batch, anchor_states=h, final_hidden=x,
+                  teacher_argmax=np.take_along_axis(best, np.asarray(batch["query"]), 1).astype(np.int32))
     for ids, gets_term in ((without, False), (with_all, True)):
         state_v, frozen_v = train_step.init_state(llama, spec_v, tc, opt, ids)
-        losses = [float(jax.jit(train_step.loss_fn(cfg, spec_v, tc.replace(hard_weight=w)))(
-            state_v["params"], frozen_v, llama.params, batch, keys)[0]) for w in (0.0, 1.0)]
+        out = {(w, c): jax.jit(train_step.loss_fn(cfg, spec_v, tc.replace(hard_weight=w)))(
+            state_v["params"], frozen_v, llama.params, b, keys) for w in (0.0, 1.0) for c, b in ((0, batch), (1, cached))}
+        losses = [float(out[w, 0][0]) for w in (0.0, 1.0)]
         assert (losses[1] > losses[0]) == gets_term and (losses[1] == losses[0]) != gets_term, (ids, losses)
+        for w in (0.0, 1.0):
+            assert_close(float(out[w, 1][0]), float(out[w, 0][0]), CACHED_VS_FULL, depth=cfg.num_layers,
+                         what="the loss over the V' rows of the head")
+            assert float(out[w, 1][1]["agree_sum"]) == float(out[w, 0][1]["agree_sum"])
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -273,19 +283,24 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
     teacher = train_step.make_teacher(llama.config, spec, mesh)
     forwards = []
 
-    def forward(tokens):
+    def forward(b):
         forwards.append(1)
-        return teacher(llama.params, tokens)  # as train.main passes it: device arrays
+        return teacher(llama.params, b["tokens"], b["query"])  # as train.main passes it: device arrays
 
     state, frozen = train_step.init_state(llama, spec, tc, opt)
     step = train_step.make_step(llama.config, spec, tc, opt, mesh)
     got = []
     for i in range(10):
         b = batches.get(i)
-        h, x = cache.get(batches.indices(i), b["tokens"].shape[1], lambda: forward(b["tokens"]))
+        f = cache.get(batches.indices(i), b, lambda: forward(b))
+        h, x = f["anchor_states"], f["final_hidden"]
         assert isinstance(h, jax.Array) == (i < 5)  # a miss hands the step the forward's device arrays
         assert h.shape == (8, 48, spec.m, llama.config.hidden_size) and x.shape == (8, 48, llama.config.hidden_size)
-        state, met = step(state, frozen, llama.params, dict(b, anchor_states=h, final_hidden=x))
+        # the stored greedy token is the teacher's at every query of the batch
+        want_top = jnp.argmax(decoder.lm_logits(llama.params, jnp.take_along_axis(
+            jnp.asarray(x), jnp.asarray(b["query"])[..., None], axis=1), llama.config), -1)
+        assert np.array_equal(np.where(b["query_mask"], f["teacher_argmax"], 0), np.where(b["query_mask"], want_top, 0))
+        state, met = step(state, frozen, llama.params, dict(b, **f))
         got.append(float(met["loss"]))
         assert len(forwards) == min(i + 1, 5) and cache.coverage() == min(i + 1, 5) / 5
     assert_close(got, want, CACHED_VS_FULL, depth=llama.config.num_layers, what="cached vs forward losses")
@@ -306,18 +321,30 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     x = rng.normal(size=(2, 8, 4)).astype(jnp.bfloat16)
     cache = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
     fail = lambda: pytest.fail("read back, not recomputed")  # noqa: E731
-    cache.get([0, 1], 8, lambda: (h, x))
-    h2, x2 = cache.get([1, 0], 6, fail)  # another order, another padded length
+
+    def batch(idx, T, Q):  # as pad_batch lays it out: every position a query here
+        query = np.zeros((len(idx), Q), np.int32)
+        qmask = np.zeros((len(idx), Q), bool)
+        for r, i in enumerate(idx):
+            n = len(corpus[i][0])
+            query[r, :n], qmask[r, :n] = np.arange(n), True
+        return dict(tokens=np.zeros((len(idx), T), np.int32), query=query, query_mask=qmask)
+
+    top = np.array([[10, 11, 12, 13, 14, 0, 0, 0], [20, 21, 22, 0, 0, 0, 0, 0]], np.int32)
+    cache.get([0, 1], batch([0, 1], 8, 8), lambda: (h, x, top))
+    f = cache.get([1, 0], batch([1, 0], 6, 6), fail)  # another order, another padded length
+    h2, x2 = f["anchor_states"], f["final_hidden"]
     assert h2.dtype == jnp.bfloat16 and h2.shape == (2, 6, 2, 4)
     assert np.array_equal(h2[0, :3], h[1, :3]) and np.array_equal(x2[1, :5], x[0, :5])  # bit for bit
     assert not h2[0, 3:].any() and not x2[0, 3:].any()  # padding reads as zeros
+    assert f["teacher_argmax"].tolist() == [[20, 21, 22, 0, 0, 0], [10, 11, 12, 13, 14, 0]]
     # a write killed before its flag: the rows are there, unflagged, and recomputed on the next read
     cache.filled[1] = False
     cache.filled.flush()
     again = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
     assert again.path == cache.path and again.coverage() == 0.5
     calls = []
-    again.get([1], 3, lambda: calls.append(1) or (h[1:, :3], x[1:, :3]))
+    again.get([1], batch([1], 3, 3), lambda: calls.append(1) or (h[1:, :3], x[1:, :3], top[1:, :3]))
     assert calls == [1] and again.coverage() == 1.0
     with pytest.raises(ValueError, match="method 'eagle3' reads other features"):
         TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))

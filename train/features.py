@@ -2,9 +2,11 @@
 sequence, written to disk the first time a run computes them, so that a later pass over the same data
 (a second epoch, a rerun with another learning rate) runs only the PSM (`TrainConfig.teacher_cache`).
 
-What is stored is exactly what the step's teacher forward returned (float32, or bfloat16's bits): the
-LM head recomputes the teacher's logits from the last hidden state as before, so a cached pass trains
-on the values the first pass computed. An uncached run recomputes them in another batch (another
+What is stored is exactly what the step's teacher forward returned (float32, or bfloat16's bits), and
+the teacher's greedy token (the argmax over the whole vocabulary) at each response position: the LM head
+recomputes the teacher's logits from the last hidden state, so a cached pass trains on the values the
+first pass computed, and with a draft vocabulary it computes only those V' rows (the stored argmax
+stands in for the whole head's, which top-1 agreement and `hard_weight` are measured against). An uncached run recomputes them in another batch (another
 padded length, other neighbours), which XLA may reduce in another order: the two agree to float32's
 last bits (tests/test_train_loop.py), not bit for bit.
 
@@ -12,6 +14,8 @@ One directory per (training sequences, target, anchors, dtype), under the corpus
 
     teacher-<key>/meta.json      what the key stands for, shapes and sizes (checked on opening)
     teacher-<key>/features.npy   [tokens, m + 1, H]: the m anchor states, then the last layer's output
+    teacher-<key>/argmax.npy     [tokens] int32: the teacher's greedy next token where t + 1 is a response
+                                 token (the loss's query positions), -1 elsewhere
     teacher-<key>/filled.npy     [sequences] bool: whose rows are written
 
 Rows are flushed before their flag, so a run killed mid-write leaves a sequence unflagged and the next
@@ -30,7 +34,7 @@ from typing import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: the teacher's argmax at the query positions stored beside the features
 STORED = {"float32": np.float32, "bfloat16": np.uint16}  # bfloat16 kept as its bits: .npy has no bfloat16
 
 
@@ -65,10 +69,13 @@ class TeacherCache:
             raise ValueError(f"{self.path} holds teacher features for {was}, not {meta}: the directory is not "
                              "this corpus's (delete it to rebuild the cache)")
         self.features = np.load(self.path / "features.npy", mmap_mode="r+")
+        self.argmax = np.load(self.path / "argmax.npy", mmap_mode="r+")
         self.filled = np.load(self.path / "filled.npy", mmap_mode="r+")
-        if self.features.shape != (meta["tokens"], self.width, hidden) or self.filled.shape != (len(corpus),):
-            raise ValueError(f"{self.path}: features {self.features.shape} or flags {self.filled.shape} do not match "
-                             f"{meta} (a damaged cache: delete the directory to rebuild it)")
+        if (self.features.shape != (meta["tokens"], self.width, hidden) or self.argmax.shape != (meta["tokens"],)
+                or self.filled.shape != (len(corpus),)):
+            raise ValueError(f"{self.path}: features {self.features.shape}, argmax {self.argmax.shape} or flags "
+                             f"{self.filled.shape} do not match {meta} (a damaged cache: delete the directory to "
+                             "rebuild it)")
 
     def _create(self, meta: dict) -> None:
         """Build the directory beside its final name and rename it into place: a reader never sees half of it."""
@@ -76,6 +83,7 @@ class TeacherCache:
         tmp.mkdir(parents=True, exist_ok=True)
         np.lib.format.open_memmap(tmp / "features.npy", "w+", STORED[meta["dtype"]],
                                   (meta["tokens"], self.width, meta["hidden"])).flush()  # sparse: no data written
+        np.lib.format.open_memmap(tmp / "argmax.npy", "w+", np.int32, (meta["tokens"],)).flush()
         np.lib.format.open_memmap(tmp / "filled.npy", "w+", bool, (meta["sequences"],)).flush()
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
@@ -87,32 +95,40 @@ class TeacherCache:
         """The share of the sequences whose features are stored."""
         return float(self.filled.mean()) if len(self.filled) else 1.0
 
-    def get(self, idx: Sequence[int], T: int, compute: Callable[[], tuple[np.ndarray, np.ndarray]]):
-        """The features of sequences idx padded to T: (anchor states [B, T, m, H], last hidden [B, T, H]),
-        read from disk when all are stored; otherwise compute() -> the same two arrays for the batch (the
-        teacher forward), whose rows are stored for the sequences not yet stored, and which are returned
-        as computed: device arrays stay on their devices (one copy to the host to store them, none back).
-        Padding rows are zero (read) or the forward's (computed): no response position attends to them
-        (causal rows)."""
+    def get(self, idx: Sequence[int], batch: dict[str, np.ndarray], compute: Callable[[], tuple]) -> dict:
+        """The features of sequences idx as `pad_batch` padded them into batch (tokens [B, T], query and
+        query_mask [B, Q]): dict(anchor_states [B, T, m, H], final_hidden [B, T, H], teacher_argmax [B, Q]
+        int32, 0 at padded query slots), read from disk when all are stored; otherwise compute() -> the
+        same three arrays for the batch (the teacher forward, `train.step.make_teacher`), whose rows are
+        stored for the sequences not yet stored, and which are returned as computed: device arrays stay on
+        their devices (one copy to the host to store them, none back). Padding rows are zero (read) or the
+        forward's (computed): no response position attends to them (causal rows)."""
         idx = [int(i) for i in idx]
+        T = batch["tokens"].shape[1]
+        query, qmask = batch["query"], batch["query_mask"]
         if all(self.filled[i] for i in idx):
             m1, H = self.width, self.features.shape[-1]
             out = np.zeros((len(idx), T, m1, H), self.features.dtype)
+            top = np.zeros(query.shape, np.int32)
             for r, i in enumerate(idx):
                 a, b = self.offsets[i], self.offsets[i + 1]
                 out[r, :b - a] = self.features[a:b]
+                top[r] = np.where(qmask[r], self.argmax[a + np.where(qmask[r], query[r], 0)], 0)
             if self.dtype == "bfloat16":
                 out = out.view(ml_dtypes.bfloat16)
-            return out[:, :, :-1], out[:, :, -1]
-        h, x = compute()
-        h_host, x_host = np.asarray(h), np.asarray(x)  # one transfer for the batch, not one per row
+            return dict(anchor_states=out[:, :, :-1], final_hidden=out[:, :, -1], teacher_argmax=top)
+        h, x, top = compute()
+        h_host, x_host, top_host = np.asarray(h), np.asarray(x), np.asarray(top)  # one transfer for the batch
         new = [(r, i) for r, i in enumerate(idx) if not self.filled[i]]
         for r, i in new:
             a, b = self.offsets[i], self.offsets[i + 1]
             rows = np.concatenate([h_host[r, :b - a], x_host[r, :b - a, None]], axis=1)
             self.features[a:b] = rows.view(np.uint16) if self.dtype == "bfloat16" else rows
-        self.features.flush()  # the rows reach the file before their flags say so
+            self.argmax[a:b] = -1
+            self.argmax[a + query[r][qmask[r]]] = top_host[r][qmask[r]]
+        self.features.flush()  # the rows reach the files before their flags say so
+        self.argmax.flush()
         for _, i in new:
             self.filled[i] = True
         self.filled.flush()
-        return h, x
+        return dict(anchor_states=h, final_hidden=x, teacher_argmax=top)

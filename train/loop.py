@@ -312,10 +312,9 @@ def fit(run: Run) -> None:
         """Micro-step i's batch on the devices, with its teacher features when the cache is on."""
         batch = run.batches.get(i)
         if features is not None:
-            tokens = put(batch["tokens"], step.batch_sharding(mesh))
-            h, x = features.get(run.batches.indices(i), batch["tokens"].shape[1],
-                                lambda: teacher(target, tokens))  # a miss: kept on the devices for the step
-            batch = dict(batch, tokens=tokens, anchor_states=h, final_hidden=x)
+            tokens, query = put((batch["tokens"], batch["query"]), step.batch_sharding(mesh))
+            batch = dict(batch, tokens=tokens, query=query,  # a miss: the features kept on the devices
+                         **features.get(run.batches.indices(i), batch, lambda: teacher(target, tokens, query)))
         return put(batch, step.batch_sharding(mesh))
 
     for i in bar:

@@ -35,7 +35,7 @@ from spd_jax.decode import pipelined
 from spd_jax.drafters import registry
 from spd_jax.drafters.base import split_params
 from spd_jax.drafters.psm import teacher_states
-from spd_jax.models import schema
+from spd_jax.models import decoder, schema
 from spd_jax.sharding import TRAIN_RULES, logical_spec, tree_shardings
 from train import checkpoints
 from train.checkpoints import Spec
@@ -174,12 +174,16 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
 
 
 def make_teacher(cfg, spec: Spec, mesh):
-    """-> jitted (target, tokens [B, T]) -> (anchor states [B, T, m, H], last hidden [B, T, H]): the
-    teacher forward `psm.psm_loss` runs, alone, for the teacher cache (a staged kind's: its anchors); sharded
-    like the step's inputs."""
-    return jax.jit(lambda target, tokens: teacher_states(target, tokens, cfg, spec.anchors),
-                   in_shardings=(target_shardings(cfg, mesh), batch_sharding(mesh)),
-                   out_shardings=batch_sharding(mesh))
+    """-> jitted (target, tokens [B, T], query [B, Q]) -> (anchor states [B, T, m, H], last hidden [B, T, H],
+    the teacher's greedy token at the query positions [B, Q] int32): the teacher forward `psm.psm_loss` runs,
+    alone, for the teacher cache (`train.features`; a staged kind's: its anchors); sharded like the step's inputs."""
+    def teacher(target, tokens, query):
+        h, x = teacher_states(target, tokens, cfg, spec.anchors)
+        x_q = jnp.take_along_axis(x, query[..., None], axis=1)
+        return h, x, jnp.argmax(decoder.lm_logits(target, x_q, cfg), -1).astype(jnp.int32)
+
+    bs = batch_sharding(mesh)
+    return jax.jit(teacher, in_shardings=(target_shardings(cfg, mesh), bs, bs), out_shardings=bs)
 
 
 def target_shardings(cfg, mesh) -> dict:

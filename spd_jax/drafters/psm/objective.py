@@ -23,7 +23,9 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     sequence do not depend on how the batch is split over devices (they do depend on Q: `psm.deal_fills`).
     The frozen target runs on all T positions (the PSM's chain reads them all); the PSM's groups, both heads
     and the KL only on the queries. A batch that carries the target's features (anchor_states [B, T, m, H],
-    final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward."""
+    final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward; with
+    teacher_argmax [B, Q] too (the teacher's greedy token at each query, from the cache) and a draft
+    vocabulary, the teacher's logits are computed over the V' rows only."""
     tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
@@ -40,22 +42,31 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     ys = psm.apply(variables, h, [(at[:, a:a + len(f)], f, K) for a, f, K in blocks], method=PSM.train_hidden)
     student = psm.apply(variables, jnp.concatenate(ys, axis=1), target["final_norm"],
                         method=PSM.head_logits)  # [B, Q, V']
-    teacher = jax.lax.stop_gradient(decoder.lm_logits(target, jnp.take_along_axis(x, at[..., None], axis=1),
-                                                      cfg))  # [B, Q, V]
+    x_q = jax.lax.stop_gradient(jnp.take_along_axis(x, at[..., None], axis=1))  # [B, Q, H]
     drafted = jnp.argmax(student, -1)
-    if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
+    if spec.draft_vocab and "teacher_argmax" in batch:
+        # the teacher over the draft vocabulary's rows of the target's head only (V' of V rows: the head is
+        # most of a step), its greedy token over the whole vocabulary read from the teacher cache
         ids = variables["vocab"]["ids"]
-        teacher_v, drafted = teacher[..., ids], ids[drafted]
+        teacher_v = decoder.head_logits(x_q, target["final_norm"], decoder.lm_head(target, cfg)[ids], cfg)
+        top = jnp.take_along_axis(batch["teacher_argmax"], order, axis=1)
+        drafted = ids[drafted]
     else:
-        teacher_v = teacher
+        teacher = decoder.lm_logits(target, x_q, cfg)  # [B, Q, V]
+        top = jnp.argmax(teacher, -1)
+        if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
+            ids = variables["vocab"]["ids"]
+            teacher_v, drafted = teacher[..., ids], ids[drafted]
+        else:
+            teacher_v = teacher
     kl = distill_kl(student, teacher_v, tau)
     # against the unrestricted teacher: what greedy verification would accept
-    agree = (jnp.argmax(teacher, -1) == drafted).astype(jnp.float32)
+    agree = (top == drafted).astype(jnp.float32)
     kl_sum = (kl * w).sum()
     loss = kl_sum
     if hard_weight:
         # only where the teacher's token is in the draft vocabulary: elsewhere no draft is accepted, and
         # the restricted argmax would teach a token verification rejects
-        hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == jnp.argmax(teacher, -1))
+        hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == top)
         loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * hit).sum()
     return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
