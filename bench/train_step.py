@@ -3,16 +3,27 @@
     python -m bench.train_step [--model smollm2-135m-instruct] [--n 8] [--batch 8] [--seq 512] [--repeats 3]
                                [--response-share 1.0] [--variants float32:0,float32:16384,bfloat16:0]
 
-A variant is DTYPE:V'[:P] (V' = 0: the PSM head over the whole vocabulary; P: `fill_accept`, omitted for
-the paper's fills). Measures, per variant, on one device (mesh 1x1), random tokens whose last
---response-share of positions are in the loss (a prompt, then a response; the PSM's groups and heads
-run only there, and a query at fill k costs k group slots, so both move the step's cost):
-  teacher_ms   the frozen target's forward alone (anchor states and logits), jitted
-  step_ms      the whole optimiser step (teacher, PSM forward and backward, AdamW update)
-  tokens_s     batch * seq / step time
+A variant is DTYPE:V'[:P][+cache] (V' = 0: the PSM head over the whole vocabulary; P: `fill_accept`,
+omitted for the paper's fills; +cache: the step reads the target's features from the teacher cache, as
+every pass after a corpus's first does (`teacher_cache=true`): the anchor states, last hidden state and
+the teacher's greedy token per query, computed once before timing and fed as host arrays, so the step
+runs no teacher forward and, with V' > 0, only V' rows of the teacher's head). Measures, per variant, on
+one device (mesh 1x1), random tokens whose last --response-share of positions are in the loss (a prompt,
+then a response; the PSM's groups and heads run only there, and a query at fill k costs k group slots,
+so both move the step's cost):
+  teacher_ms      the frozen target's forward alone (anchor states and logits), jitted
+  step_ms         the whole optimiser step (PSM forward and backward, AdamW update; the teacher's
+                  forward unless +cache)
+  tokens_s        batch * seq / step time
+  positions_s     response positions (those in the loss) per second: batch * share * seq / step time
+  cold_positions_s  with +cache, a pass that fills the cache: positions over the step plus the cache's
+                  teacher forward (`train.step.make_teacher`: anchor states, and the argmax at the queries)
 and each variant's speedup over the first. Times are medians over --repeats after one compiling call; they
 include the step's computation and the copy of its host (numpy) batch to the device on each call, as in
-training (train.main feeds host batches too), with one block at the end; compilation is excluded.
+training (train.main feeds host batches, and host features read from the cache), with one block at the
+end; compilation is excluded. The default compares the n = 8 recipe's path (float32, whole vocabulary,
+the paper's fills, the teacher inside the step) with the fast one (a draft vocabulary of 16,384, the
+fills at the shipped PSM's acceptance 0.45, the teacher cache).
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--response-share", type=float, default=1.0,
                     help="share of each sequence's positions in the loss (its end); 1.0: every position")
-    ap.add_argument("--variants", default="float32:0,float32:16384,bfloat16:0")
+    ap.add_argument("--variants", default="float32:0,float32:16384:0.45+cache")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -73,7 +84,10 @@ def main(argv=None) -> int:
 
     res = {}
     for variant in args.variants.split(","):
-        dt, dv, *fill = variant.split(":")
+        settings, _, cached = variant.partition("+")
+        if cached not in ("", "cache"):
+            ap.error(f"variant {variant!r}: DTYPE:V'[:P][+cache]")
+        dt, dv, *fill = settings.split(":")
         tc = TrainConfig.of(model=args.model, n=args.n, batch_size=args.batch, compute_dtype=dt,
                               draft_vocab=int(dv), fill_accept=float(fill[0]) if fill else None)
         spec = PSMConfig.for_target(model.config, plan.counts, 2, draft_vocab=tc.draft_vocab)
@@ -88,6 +102,12 @@ def main(argv=None) -> int:
         tokens = jnp.asarray(batch["tokens"])
         jax.block_until_ready(teacher(target, tokens))
         t_teacher = timed(lambda: teacher(target, tokens))
+        fed = batch
+        if cached:  # what TeacherCache.get reads back: host arrays
+            fill = train_step.make_teacher(model.config, spec, mesh)
+            h, x, top = fill(target, batch["tokens"], batch["query"])
+            t_fill = timed(lambda: fill(target, batch["tokens"], batch["query"]))  # a first pass's extra work
+            fed = dict(batch, anchor_states=np.asarray(h), final_hidden=np.asarray(x), teacher_argmax=np.asarray(top))
 
         opt = train_step.make_optimizer(tc)
         state, frozen = train_step.init_state(model, spec, tc, opt, ids)
@@ -99,17 +119,22 @@ def main(argv=None) -> int:
         frozen = put(frozen, rep)
 
         def one():
-            holder["s"], met = step(holder["s"], frozen, target, batch)
+            holder["s"], met = step(holder["s"], frozen, target, fed)
             return met
 
         t0 = time.perf_counter()
         jax.block_until_ready(one())
         compile_s = time.perf_counter() - t0
         t_step = timed(one)
+        positions = float(batch["mask"].sum())
         res[variant] = dict(teacher_ms=t_teacher * 1e3, step_ms=t_step * 1e3, first_call_s=compile_s,
-                       tokens_s=args.batch * args.seq / t_step)
+                            tokens_s=args.batch * args.seq / t_step, positions_s=positions / t_step)
+        if cached:
+            res[variant]["cold_positions_s"] = positions / (t_step + t_fill)
     first = next(iter(res.values()))
-    res["speedup_over_first"] = {k: dict(teacher=first["teacher_ms"] / r["teacher_ms"], step=first["step_ms"] / r["step_ms"])
+    res["speedup_over_first"] = {k: dict(teacher=first["teacher_ms"] / r["teacher_ms"], step=first["step_ms"] / r["step_ms"],
+                                        **({"cold": r["cold_positions_s"] / first["positions_s"]}
+                                           if "cold_positions_s" in r else {}))
                                  for k, r in list(res.items())[1:]}
     res["setup"] = dict(model=args.model, n=args.n, batch=args.batch, seq=args.seq,
                         response_share=args.response_share, backend=jax.default_backend())
