@@ -13,6 +13,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from spd_jax.drafters import registry
+from spd_jax.drafters.kind import Form
 from spd_jax.drafters.store import content_id
 from spd_jax.methods import METHODS
 
@@ -37,12 +39,10 @@ def row_shape(method: str) -> RowShape:
     """ROW_SHAPES' entry of a method; a method it does not list: on n devices, no stages, no chain."""
     return ROW_SHAPES.get(method, RowShape())
 # a drafted method -> the row field that records the drafter checkpoint it was given (`registry.resolve`'s
-# label: a path, or one of UNNAMED); the other methods run no drafter
+# label: a path, "random" or "given"); the other methods run no drafter
 DRAFTER_FIELD = {m.name: m.label_key for m in METHODS.values() if m.label_key}
 # a drafter kind's name -> the method its evaluation rows run
 DRAFTER_METHOD = {m.drafter_kind.name: m.name for m in METHODS.values() if m.drafter_kind is not None}
-UNTRAINED = "random"  # the label of an untrained drafter
-UNNAMED = (UNTRAINED, "given")  # labels that name no checkpoint
 SETUP = ("model", "max_new_tokens", "seed", "backend")  # what the rows of one evaluation share
 
 
@@ -51,15 +51,10 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
 
-def names_checkpoint(label) -> bool:
-    """Whether a row's drafter label names a checkpoint directory (not None, "random" or "given")."""
-    return label is not None and label not in UNNAMED
-
-
 def label_is_dir(label, directory: Path) -> bool:
     """Whether a row's drafter label (the checkpoint path `registry.resolve` was given, or
     "random" / "given" / None) names `directory`."""
-    if not isinstance(label, str) or label in UNNAMED:
+    if not isinstance(label, str) or not registry.is_checkpoint(label):
         return False
     return Path(label).resolve() == Path(directory).resolve()
 
@@ -124,7 +119,7 @@ def method_label(t: dict) -> str:
     a trained one)."""
     label = t["method"] if t.get("k") is None else f"{t['method']} k={t['k']}"
     field = DRAFTER_FIELD.get(t["method"])
-    untrained = field is not None and t.get(field) == UNTRAINED
+    untrained = field is not None and t.get(field) == Form.RANDOM.value
     return label + (" (untrained drafter)" if untrained else "")
 
 

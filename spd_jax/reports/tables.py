@@ -7,12 +7,12 @@ Builds text from plain data; reads and writes no file. The projections come from
 
 from __future__ import annotations
 
-from spd_jax.drafters import eagle3
+from spd_jax.drafters import eagle3, registry
 from spd_jax.methods import METHODS
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.pipeline import costs
 from spd_jax.pipeline.partition import StagePlan
-from spd_jax.reports.results import DRAFTER_FIELD, method_label, names_checkpoint
+from spd_jax.reports.results import DRAFTER_FIELD, method_label
 
 PROFILES = ("H200", "TPU")  # the projection columns: costs.H200_NVLINK and costs.TPU_V5E_ICI
 HARDWARE = dict(zip(PROFILES, (costs.H200_NVLINK, costs.TPU_V5E_ICI)))
@@ -50,7 +50,7 @@ def _project_ar(t: dict, cfg, hw, ctx: int) -> dict:
 
 def _project_eagle3(t: dict, cfg, hw, ctx: int) -> dict:
     label = t.get("drafter_spec")
-    dv = eagle3.read_spec(label).draft_vocab if names_checkpoint(label) else 0
+    dv = eagle3.read_spec(label).draft_vocab if registry.is_checkpoint(label) else 0
     p = costs.predict_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
     return dict(speedup=p["speedup"], parts_s=p["parts_s"])
 
@@ -59,7 +59,7 @@ def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
     """tp, pipeline and spd at n (spd at the row's measured alpha, stage plan and PSM device)."""
     plan = StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else costs.default_plan(cfg, t["n"])
     label = t.get("psm")
-    psm_cfg = read_spec(label) if names_checkpoint(label) else PSMConfig.for_target(cfg, plan.counts)
+    psm_cfg = read_spec(label) if registry.is_checkpoint(label) else PSMConfig.for_target(cfg, plan.counts)
     where = dict(psm_device=t["psm_device"]) if t.get("psm_device") is not None else {}  # as it ran
     pred = costs.predict(cfg, t["n"], psm_cfg, hw, ctx, S0=t["S0"], plan=plan,
                          alpha=t["alpha"] if t["method"] in DRAFTER_FIELD else None, **where)
