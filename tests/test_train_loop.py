@@ -346,6 +346,13 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     calls = []
     again.get([1], batch([1], 3, 3), lambda: calls.append(1) or (h[1:, :3], x[1:, :3], top[1:, :3]))
     assert calls == [1] and again.coverage() == 1.0
+    # the loss masks place the stored tokens: the same ids under other masks are another cache; a flagged
+    # sequence without a token at one of its queries is refused, not read as no teacher token
+    other = [(ids, np.arange(len(ids)) > 0) for ids, _ in corpus]
+    assert TeacherCache(tmp_path, other, "m", (0, 1), 4, "bfloat16").path != cache.path
+    again.argmax[again.offsets[1] + 2] = -1
+    with pytest.raises(ValueError, match="sequence 1 is flagged stored but lacks the teacher's token"):
+        again.get([1], batch([1], 3, 3), fail)
     with pytest.raises(ValueError, match="method 'eagle3' reads other features"):
         TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))
 

@@ -6,11 +6,12 @@ What is stored is exactly what the step's teacher forward returned (float32, or 
 the teacher's greedy token (the argmax over the whole vocabulary) at each response position: the LM head
 recomputes the teacher's logits from the last hidden state, so a cached pass trains on the values the
 first pass computed, and with a draft vocabulary it computes only those V' rows (the stored argmax
-stands in for the whole head's, which top-1 agreement and `hard_weight` are measured against). An uncached run recomputes them in another batch (another
-padded length, other neighbours), which XLA may reduce in another order: the two agree to float32's
-last bits (tests/test_train_loop.py), not bit for bit.
+stands in for the whole head's, which top-1 agreement and `hard_weight` are measured against). An
+uncached run recomputes them in another batch (another padded length, other neighbours), which XLA may
+reduce in another order: the two agree to float32's last bits (tests/test_train_loop.py), not bit for bit.
 
-One directory per (training sequences, target, anchors, dtype), under the corpus cache:
+One directory per (training sequences and their loss masks, target, anchors, dtype), under the corpus
+cache:
 
     teacher-<key>/meta.json      what the key stands for, shapes and sizes (checked on opening)
     teacher-<key>/features.npy   [tokens, m + 1, H]: the m anchor states, then the last layer's output
@@ -34,16 +35,20 @@ from typing import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-VERSION = 2  # 2: the teacher's argmax at the query positions stored beside the features
+# 2: the teacher's argmax at the query positions stored beside the features, the masks in the key; a
+# version-1 directory is not read (its key differs): the first run recomputes, the old one can be deleted
+VERSION = 2
 STORED = {"float32": np.float32, "bfloat16": np.uint16}  # bfloat16 kept as its bits: .npy has no bfloat16
 
 
 def cache_key(corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str, anchors: Sequence[int],
               hidden: int, dtype: str) -> str:
-    """What the features depend on: every sequence's tokens (in order), the target, its anchors, the dtype."""
+    """What the features depend on: every sequence's tokens and loss mask (in order: the mask places the
+    stored argmax), the target, its anchors, the dtype."""
     h = hashlib.sha256(json.dumps([VERSION, str(model_path), list(anchors), hidden, dtype]).encode())
-    for ids, _ in corpus:
+    for ids, mask in corpus:
         h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
         h.update(b"|")
     return h.hexdigest()[:16]
 
@@ -98,7 +103,7 @@ class TeacherCache:
     def get(self, idx: Sequence[int], batch: dict[str, np.ndarray], compute: Callable[[], tuple]) -> dict:
         """The features of sequences idx as `pad_batch` padded them into batch (tokens [B, T], query and
         query_mask [B, Q]): dict(anchor_states [B, T, m, H], final_hidden [B, T, H], teacher_argmax [B, Q]
-        int32, 0 at padded query slots), read from disk when all are stored; otherwise compute() -> the
+        int32; padded query slots hold 0 when read, the forward's value when computed), read from disk when all are stored; otherwise compute() -> the
         same three arrays for the batch (the teacher forward, `train.step.make_teacher`), whose rows are
         stored for the sequences not yet stored, and which are returned as computed: device arrays stay on
         their devices (one copy to the host to store them, none back). Padding rows are zero (read) or the
@@ -114,6 +119,9 @@ class TeacherCache:
                 a, b = self.offsets[i], self.offsets[i + 1]
                 out[r, :b - a] = self.features[a:b]
                 top[r] = np.where(qmask[r], self.argmax[a + np.where(qmask[r], query[r], 0)], 0)
+                if (top[r] < 0).any():  # the key holds the masks: a flagged sequence has a token at each query
+                    raise ValueError(f"{self.path}: sequence {i} is flagged stored but lacks the teacher's token at "
+                                     "a response position (a damaged cache: delete the directory to rebuild it)")
             if self.dtype == "bfloat16":
                 out = out.view(ml_dtypes.bfloat16)
             return dict(anchor_states=out[:, :, :-1], final_hidden=out[:, :, -1], teacher_argmax=top)
