@@ -106,9 +106,9 @@ def main(argv=None) -> int:
         t_teacher = teacher_s[dt]
         fed = batch
         if cached:  # what TeacherCache.get reads back: host arrays
-            fill = train_step.make_teacher(model.config, spec, mesh)
-            h, x, top = fill(target, batch["tokens"], batch["query"])
-            t_fill = timed(lambda: fill(target, batch["tokens"], batch["query"]))  # a first pass's extra work
+            fill_teacher = train_step.make_teacher(model.config, spec, mesh)
+            h, x, top = fill_teacher(target, batch["tokens"], batch["query"])
+            t_fill = timed(lambda: fill_teacher(target, batch["tokens"], batch["query"]))  # a first pass's extra work
             fed = dict(batch, anchor_states=np.asarray(h), final_hidden=np.asarray(x), teacher_argmax=np.asarray(top))
 
         opt = train_step.make_optimizer(tc)
