@@ -197,12 +197,15 @@ class PSM(DraftHead, nn.Module):
         B, T, m, H = h.shape
         Ls, dt = spec.num_layers, self.lm_head.dtype
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
-        g = self.project_all(h.astype(dt))  # [B, T, m, H]
+        h = h.astype(dt)
         tpos = jnp.arange(T)
 
-        # the chain: every layer's keys and values of the completed rows [B, T, Nkv, D]
+        # the chain: every layer's keys and values of the completed rows [B, T, Nkv, D]. Rows are projected
+        # where they are used, the chain's deepest type here and a group slot's type at its gathered
+        # position (`_groups`), not every type at every position: the gradient of a projection over
+        # [B, T, m, H] gathered back into 16+ slots costs XLA:CPU more than the rest of the backward.
         chain_kv = []
-        x_c = g[:, :, m - 1]
+        x_c = self.proj[m - 1](h.reshape(B, T, m * H))
         cos_c, sin_c = rope_cos_sin(cfg, tpos)
         cc_mask = jnp.tril(jnp.ones((T, T), bool))
         for layer in range(Ls):
@@ -216,13 +219,13 @@ class PSM(DraftHead, nn.Module):
                 o = jnp.einsum("btkgs,bskd->btkgd", p.astype(dt), v_c).reshape(B, T, cfg.q_size)
                 y = x_c + output_projection(lp, o, xn_c, cfg)
                 x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
-        return [self._groups(g, chain_kv, at, fill, k) for at, fill, k in blocks]
+        return [self._groups(h, chain_kv, at, fill, k) for at, fill, k in blocks]
 
-    def _groups(self, g: jax.Array, chain_kv: list, at: jax.Array, fill, k: int) -> jax.Array:
-        """The groups of one block (`train_hidden`): g [B, T, m, H] every type's row, at [B, Q], fills
+    def _groups(self, h: jax.Array, chain_kv: list, at: jax.Array, fill, k: int) -> jax.Array:
+        """The groups of one block (`train_hidden`): h [B, T, m, H] anchor states, at [B, Q], fills
         (broadcast to [B, Q]) in 1..k, k slots -> [B, Q, H]."""
         cfg, spec = self.cfg, self.spec
-        B, T, m, H = g.shape
+        B, T, m, H = h.shape
         Q = at.shape[1]
         Ls, dt = spec.num_layers, self.lm_head.dtype
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
@@ -233,8 +236,10 @@ class PSM(DraftHead, nn.Module):
         pos = at[:, :, None] - slot  # [B, Q, k]: slot j holds the token at - j, in flight at depth j
         real = (slot < fill[..., None]) & (pos >= 0)
         stair = spec.staircase
-        x_g = jnp.stack([jnp.take_along_axis(g[:, :, stair[j]], jnp.maximum(pos[:, :, j], 0)[..., None], axis=1)
-                         for j in range(k)], 2)  # [B, Q, k, H]
+        h_g = jnp.take_along_axis(h, jnp.maximum(pos, 0).reshape(B, Q * k)[..., None, None], axis=1)  # [B, Qk, m, H]
+        h_g = h_g.reshape(B, Q, k, m, H)
+        x_g = jnp.stack([self.proj[stair[j]](h_g[:, :, j, :stair[j] + 1].reshape(B, Q, (stair[j] + 1) * H))
+                         for j in range(k)], 2)  # [B, Q, k, H]: slot j's row, of type f(j)
         x_g = jnp.where(real[..., None], x_g, 0)
         gg_mask = (real[:, :, None, :] & (slot[:, None] <= slot[None, :])) | jnp.eye(k, dtype=bool)  # [B, Q, J, I]
         gc_mask = jnp.arange(T) <= (at - fill)[..., None]  # [B, Q, S]
