@@ -62,3 +62,21 @@ def test_conversations_are_cut_at_whole_turns_never_inside_a_reply(smollm2):
         ids, mask = enc(conv, max_len)
         assert np.array_equal(ids, first) and np.array_equal(mask, first_mask)
     assert enc(conv, len(first) - 1) is None  # not even the first pair fits: dropped, never truncated
+
+
+def test_a_batch_lays_out_each_rows_response_positions_as_its_queries_padded_to_a_small_count():
+    from train.corpus import QUERY_STEP, pad_batch
+    rows = []
+    for length, reply in ((300, 292), (200, 10)):
+        mask = np.zeros(length, bool)
+        mask[length - reply:] = True
+        rows.append((np.arange(length, dtype=np.int32), mask))
+    b = pad_batch(rows, (128, 256, 384, 512))
+    assert b["tokens"].shape == (2, 384)
+    # 292 queries: the next multiple of QUERY_STEP, not the bucket of 384 (groups and heads run per query)
+    assert b["query"].shape == (2, -(-292 // QUERY_STEP) * QUERY_STEP) and b["query"].shape[1] < 384
+    assert b["query"][0].tolist() == list(range(8, 300)) + [0] * (b["query"].shape[1] - 292)
+    assert b["query_mask"].sum(1).tolist() == [292, 10] and b["query"][1, :10].tolist() == list(range(190, 200))
+    # small buckets stay the query sizes below QUERY_STEP, and Q never exceeds T
+    small = pad_batch([(np.arange(30, dtype=np.int32), np.arange(30) >= 20)], (16, 32))
+    assert small["query"].shape == (1, 16) and small["tokens"].shape == (1, 32)
