@@ -8,6 +8,10 @@ makes the comparison sensitive; a control checks that a wrong fill is detected.
 """
 
 
+import dataclasses
+import json
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,11 +69,69 @@ def test_train_forward_equals_engine_draft_with_draft_vocabulary(tiny_ckpt):
     _check_train_equals_engine(llama, 4, ids)
 
 
-def _check_train_equals_engine(deep, n, vocab_ids=None):
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])  # norm_offset 0 and 1: the gain's two identity scales
+def test_train_forward_equals_engine_draft_with_anchor_norm(tiny_ckpt, kind):
+    """anchor_norm: both paths read the anchor states through the same normalisation; a gain away from
+    its identity (one per anchor and dimension) makes a path that skipped it fail."""
+    model = spd_jax.load_model(tiny_ckpt(kind, False, num_hidden_layers=8)[0])
+    _check_train_equals_engine(model, 4, anchor_norm=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_anchor_norm_normalises_each_anchor_with_its_gain(tiny_ckpt, kind):
+    """The gain starts at the identity scale (w = 1, or w = 0 where the norm scales by 1 + w); a row of
+    type a then reads RMS-normalised h_{b_0} .. h_{b_a}, whatever each anchor's scale."""
+    model = spd_jax.load_model(tiny_ckpt(kind, False, num_hidden_layers=8)[0])
+    cfg = model.config
+    spec = PSMConfig.for_target(cfg, pipelined.plan_for(model, 4).counts, anchor_norm=True)
+    v = init_psm(cfg, spec, model.params, 0)
+    assert v["params"]["anchor_gain"].shape == (spec.m, cfg.hidden_size)
+    np.testing.assert_array_equal(v["params"]["anchor_gain"], 1.0 - cfg.norm_offset)
+    h = jax.random.normal(jax.random.key(0), (3, spec.m, cfg.hidden_size)) * jnp.array([0.1, 10, 30, 300, 1])[:, None]
+    got = PSM(cfg, spec).apply(v, h, method=PSM.project_all)
+    unit = h / np.sqrt(np.mean(np.square(h), -1, keepdims=True) + cfg.rms_norm_eps)
+    plain = PSM(cfg, dataclasses.replace(spec, anchor_norm=False))
+    want = plain.apply({"params": {k: w for k, w in v["params"].items() if k != "anchor_gain"}}, unit,
+                       method=PSM.project_all)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_anchor_norm_is_part_of_the_psms_identity(tiny_ckpt, tmp_path, caplog):
+    """anchor_norm is part of a PSM's identity: written, read back (with its gains), absent in the shipped
+    PSMs' identity files and then off, checked by a warm start."""
+    from spd_jax.drafters.psm import kind as psm_kind
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+    cfg = model.config
+    spec = PSMConfig.for_target(cfg, pipelined.plan_for(model, 4).counts, num_layers=1, anchor_norm=True)
+    v = _sensitive_psm(model, spec)
+    psm_kind.save_psm(tmp_path / "p", v, spec)
+    assert json.loads((tmp_path / "p" / "psm.json").read_text())["anchor_norm"] is True
+    assert psm_kind.read_spec(tmp_path / "p") == spec
+    got, w = psm_kind.load_psm(tmp_path / "p", cfg, spec.plan, model.params)
+    assert got == spec
+    np.testing.assert_array_equal(w["params"]["anchor_gain"], v["params"]["anchor_gain"])
+    old = {k: x for k, x in psm_kind.spec_to_json(spec).items() if k != "anchor_norm"}  # before the field
+    assert psm_kind.spec_from_json(old) == dataclasses.replace(spec, anchor_norm=False)
+    for meta in psm_kind.SHIPPED_DIR.glob("*/psm.json"):
+        assert "anchor_norm" not in json.loads(meta.read_text()), meta  # their files stay as they were written
+        assert psm_kind.read_spec(meta.parent).anchor_norm is False
+    # a warm start: a normalising PSM's projections do not fit a run without the norm; the other way the
+    # run keeps its identity gains and takes the rest
+    plain = dataclasses.replace(spec, anchor_norm=False)
+    with pytest.raises(ValueError, match="set anchor_norm=true"):
+        psm_kind._warm_start(model, plain, str(tmp_path / "p"), logging.getLogger("t"))
+    psm_kind.save_psm(tmp_path / "q", init_psm(cfg, plain, model.params), plain)
+    with caplog.at_level(logging.WARNING):
+        warm = psm_kind._warm_start(model, spec, str(tmp_path / "q"), logging.getLogger("t"))
+    assert "does not normalise its anchor states" in caplog.text and "anchor_gain" not in warm["params"]
+
+
+def _check_train_equals_engine(deep, n, vocab_ids=None, anchor_norm=False):
     cfg = deep.config
     plan = pipelined.plan_for(deep, n)
     spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2,
-                                draft_vocab=0 if vocab_ids is None else len(vocab_ids))
+                                draft_vocab=0 if vocab_ids is None else len(vocab_ids), anchor_norm=anchor_norm)
     module = PSM(cfg, spec)
     v = _sensitive_psm(deep, spec, seed=n, vocab_ids=vocab_ids)
     tokens = jax.random.randint(jax.random.key(n), (1, T), 3, cfg.vocab_size)

@@ -79,7 +79,7 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
         raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
                                  f"format {FORMAT}; retrain it with train.main")
     return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]),
-                     int(d.get("draft_vocab", 0)))
+                     int(d.get("draft_vocab", 0)), bool(d.get("anchor_norm", False)))
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",
@@ -126,6 +126,13 @@ def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
         raise ValueError(f"init_from {init_from} reads {was.m} anchors {list(was.anchors)}, this run "
                          f"{spec.m} {list(spec.anchors)}: its projections do not fit; set anchors="
                          f"{','.join(map(str, was.anchors))} or start without init_from")
+    if was.anchor_norm and not spec.anchor_norm:
+        raise ValueError(f"init_from {init_from} normalises its anchor states (anchor_norm), this run does not: "
+                         "its projections read normalised states; set anchor_norm=true or start without init_from")
+    if spec.anchor_norm and not was.anchor_norm:
+        # the layers and head still fit; the projections learnt unnormalised states, training adapts them
+        log.warning("init_from %s does not normalise its anchor states; this run does (anchor_norm): the "
+                    "anchor gains start at the identity, the projections relearn their inputs' scale", init_from)
     if (was.plan, was.anchors) != (spec.plan, spec.anchors):
         # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
         # embedding-only projection (the drafting row's) mean the same; the staircase and what the
@@ -153,7 +160,8 @@ TRAINING = Training(
     eval_options=lambda spec, variables, d: dict(n=spec.n, stage_layers=spec.plan, spec=(spec, variables)),
     eval_summary=_eval_summary,
     describe=lambda name, spec, d: (f"PSM for {name}: n={spec.n}, stages {list(spec.plan)}, anchors "
-                                    f"{list(spec.anchors)}, staircase {list(spec.staircase)}, Ls={spec.num_layers}"),
+                                    f"{list(spec.anchors)}, staircase {list(spec.staircase)}, Ls={spec.num_layers}"
+                                    f"{', anchor states normalised' if spec.anchor_norm else ''}"),
     exported=lambda final, spec, step, d: (f"PSM (step {step}) written to {final} (use: python -m infer.generate "
                                            f"--n {spec.n} --spec {final})"),
     init_options=lambda d: dict(layers_from_target=d.layers_from_target),

@@ -13,6 +13,11 @@ responses (their ids in the `vocab` collection). Drafts then never propose anoth
 outside it (sampling stays lossless: verification only ever sees a q with zeros), and the head and
 the training loss over V' cost V'/V of the full ones.
 
+Optionally (`anchor_norm`) each anchor state is RMS-normalised over H with its own learned gain before the
+projections: the target's states are badly scaled for a linear map (SmolLM2: RMS 0.12 for the embedding,
+11.5 at h_22, 28 at h_29 with one dimension near 550: scales over two orders of magnitude apart in one
+projection's input).
+
 This module holds the PSM's config and network: staircase typing (`row_types`), rows, the engine's
 per-cycle draft (`PSM.draft_hidden`, `PSM.draft_step` the same draft whole) and the training forward
 (`PSM.train_hidden`), which computes for every query position and fill exactly what `draft_step`
@@ -62,10 +67,12 @@ class PSMConfig:
     plan: tuple[int, ...]  # layers per pipeline stage: the staircase depends on it
     target: tuple  # (model_type, hidden, layers, vocab, heads, kv heads): the target it belongs to
     draft_vocab: int = 0  # V': the head's size over the draft vocabulary; 0 = the target's whole vocabulary
+    anchor_norm: bool = False  # RMS-normalise each anchor state (own gain per anchor) before the projections
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, stage_counts: Sequence[int], num_layers: int = 2,
-                   anchors: Sequence[int] | None = None, draft_vocab: int = 0) -> "PSMConfig":
+                   anchors: Sequence[int] | None = None, draft_vocab: int = 0,
+                   anchor_norm: bool = False) -> "PSMConfig":
         plan = tuple(int(c) for c in stage_counts)
         if sum(plan) != cfg.num_layers or min(plan) < 1:
             raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
@@ -80,7 +87,7 @@ class PSMConfig:
         if not 0 <= draft_vocab <= cfg.vocab_size:
             raise ValueError(f"draft_vocab must be in 0..{cfg.vocab_size} (0: the whole vocabulary), got {draft_vocab}")
         draft_vocab = 0 if draft_vocab == cfg.vocab_size else int(draft_vocab)
-        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab)
+        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab, bool(anchor_norm))
 
     @property
     def n(self) -> int:
@@ -122,15 +129,32 @@ class PSM(DraftHead, nn.Module):
         self.proj = [nn.Dense(H, use_bias=False, name=f"proj_{a}",
                               kernel_init=logical(nn.initializers.lecun_normal(), (None, "embed")))
                      for a in range(self.spec.m)]
+        if self.spec.anchor_norm:
+            # a gain per anchor [m, H], starting at the identity scale of the target's RMSNorm: w = 1, or
+            # w = 0 where the norm scales by 1 + w (norm_offset 1, Qwen3.5)
+            def identity(key, shape, dtype=jnp.float32):
+                return jnp.full(shape, 1.0 - self.cfg.norm_offset, dtype)
+
+            self.anchor_gain = self.param("anchor_gain", logical(identity, (None, "embed")), (self.spec.m, H))
         self.layers = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), ("layers", *leaf.axes)),
                                      (Ls, *leaf.shape))
                        for k, leaf in _layer_schema(self.cfg).items()}
         self.setup_head(logical)
 
+    def norm_anchors(self, h: jax.Array) -> jax.Array:
+        """h [..., m, H] anchor states -> [..., m, H] as the projections read them: with anchor_norm, each
+        state RMS-normalised over H and scaled by its anchor's gain (the target's rms_norm, eps and offset),
+        else h unchanged. The one place both paths (`project_all`, `train_hidden`) normalise, so training
+        and inference cannot diverge."""
+        if not self.spec.anchor_norm:
+            return h
+        return rms_norm(h, self.anchor_gain, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
     def project_all(self, h: jax.Array) -> jax.Array:
         """h [..., m, H] anchor states -> [..., m, H]: every aggregation type's row (entry a reads
         h_{b_0} .. h_{b_a} only, so absent deeper anchors may hold anything)."""
         H, m = self.cfg.hidden_size, self.spec.m
+        h = self.norm_anchors(h)
         return jnp.stack([self.proj[a](h[..., :a + 1, :].reshape(*h.shape[:-2], (a + 1) * H)) for a in range(m)], -2)
 
     def rows(self, h: jax.Array, types: jax.Array) -> jax.Array:
@@ -197,7 +221,7 @@ class PSM(DraftHead, nn.Module):
         B, T, m, H = h.shape
         Ls, dt = spec.num_layers, self.lm_head.dtype
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
-        h = h.astype(dt)
+        h = self.norm_anchors(h.astype(dt))  # once, for the chain and the groups (which gather from it)
         tpos = jnp.arange(T)
 
         # the chain: every layer's keys and values of the completed rows [B, Nkv, T, D]. Rows are projected
