@@ -127,6 +127,20 @@ def test_anchor_norm_is_part_of_the_psms_identity(tiny_ckpt, tmp_path, caplog):
     assert "does not normalise its anchor states" in caplog.text and "anchor_gain" not in warm["params"]
 
 
+def test_anchor_norm_is_a_training_option():
+    """train.main's `anchor_norm=true` (off by default) reaches the spec the run trains."""
+    from spd_jax.config import ModelConfig
+    from spd_jax.drafters.psm import kind as psm_kind
+    from spd_jax.pipeline.costs import default_plan
+    from train.config import TrainConfig
+
+    cfg = ModelConfig.named("tiny-llama")
+    assert TrainConfig().drafter.anchor_norm is False
+    for flag in (False, True):
+        d = TrainConfig.from_dict({"anchor_norm": flag}).drafter
+        assert psm_kind.TRAINING.config(cfg, default_plan(cfg, 2), d).anchor_norm is flag
+
+
 def _check_train_equals_engine(deep, n, vocab_ids=None, anchor_norm=False):
     cfg = deep.config
     plan = pipelined.plan_for(deep, n)

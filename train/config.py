@@ -59,12 +59,15 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. layers_from_target are the PSM's
+    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. anchor_norm are the PSM's
     n: int = 8  # pipeline depth the PSM is trained for
     stages: tuple[int, ...] | None = None  # per-stage layer counts; default: what infer.generate plans
     psm_layers: int = 2
     anchors: tuple[int, ...] | None = None  # default: depth-aware [0, l, 3l, 6l, L-1] or quarters
     layers_from_target: bool = True  # start the PSM layers as copies of the target's last ones
+    # RMS-normalise each anchor state (a learned gain per anchor) before the PSM's projections: the
+    # target's states differ in scale by orders of magnitude across depths (docs/training.md)
+    anchor_norm: bool = False
     # V': head over the V' most frequent response tokens of the training data (0: the whole vocabulary);
     # the loss is then the KL of the teacher restricted (renormalised) to them
     draft_vocab: int = 0

@@ -153,7 +153,8 @@ def _eval_summary(spec: PSMConfig, tokens: int, cycles: int, d: Any) -> dict:
 
 TRAINING = Training(
     export_dir="psm", metric="S0",
-    config=lambda cfg, plan, d: PSMConfig.for_target(cfg, plan.counts, d.psm_layers, d.anchors, d.draft_vocab),
+    config=lambda cfg, plan, d: PSMConfig.for_target(cfg, plan.counts, d.psm_layers, d.anchors, d.draft_vocab,
+                                                     d.anchor_norm),
     loss=psm_loss, loss_options=lambda d: dict(fill_accept=d.fill_accept, hard_weight=d.hard_weight),
     axes=psm_axes, warm_start=_warm_start,
     # SPD at the PSM's own n and plan (the quick eval needs n devices: train.loop checks)
