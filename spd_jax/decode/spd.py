@@ -191,18 +191,22 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
             return vocab.argmax(logits, ids_v, STAGE)
         return vocab.categorical(token_key(sp["seed"], pos), warp(logits, own_v, vs.rows), ids_v, V, STAGE)
 
-    # ---------------- what the drafter runs through (drafters.base.SpdOps)
+    # ---------------- the drafter's head, sharded over the devices as the target's is: its rows (V, or a
+    # draft vocabulary's V') split D ways, the choice made by collectives
     on_drafter = s == ec.psm_dev
 
-    def draft_choice(drafter_head, token_ids, pos):
-        """The draft for `pos` from the drafter's head, sharded over the devices as the target's is: its
-        rows (V, or a draft vocabulary's V') split D ways, the choice made by collectives."""
+    def draft_logits(drafter_head, token_ids):
+        """-> (this device's shard of the drafter head's logits [rows] (-inf off its own rows), their
+        token ids [rows], the head's `Shards`)."""
         hs = vocab.Shards(V if token_ids is None else token_ids.shape[0], D)
         rows, own = hs.ids(s), hs.own(s)
-        ids = rows if token_ids is None else token_ids[rows]
-        logits = jnp.where(own, drafter_head(hs.start(s), hs.rows), -jnp.inf)  # [rows]
-        if ec.greedy:
-            return vocab.argmax(logits, ids, STAGE), None
+        logits = jnp.where(own, drafter_head(hs.start(s), hs.rows), -jnp.inf)
+        return logits, rows if token_ids is None else token_ids[rows], hs
+
+    def draft_sampled(logits, ids, hs, token_ids, pos):
+        """A draw for `pos` with its draft key from the drafter head's shard -> (token, q [vs.rows]: this
+        device's shard of the draft's target-vocabulary distribution, which verification reads)."""
+        own = hs.own(s)
         warped = warp(logits, own, hs.rows)
         d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], pos), vocab.DRAFT), warped, ids, V, STAGE)
         q = vocab.softmax(warped, STAGE)  # over this device's head rows
@@ -220,10 +224,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         embed=lambda ids: decoder.embed(shared, ids[None])[0],
         final_norm=shared["final_norm"],
         on_device=lambda fn, other, operand: jax.lax.cond(on_drafter, fn, other, operand),
-        broadcast=lambda v: bcast(v, ec.psm_dev),
-        vary=lambda v: vary(v, STAGE),
-        choose=draft_choice,
-        point_mass=lambda d: None if ec.greedy else (own_v & (ids_v == d)).astype(jnp.float32))
+        vary=lambda v: vary(v, STAGE))
 
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
@@ -261,16 +262,14 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
                             qring=jnp.zeros((n, vs.rows) if sampled_drafts else (1, 1), jnp.float32)), STAGE)
     budget_end = prompt_len + max_new  # positions < budget_end may be generated
 
-    def verify(st, loc, x_out):
-        """Every stage, on its vocabulary shard: the token at p leaves the last stage; its logits decide
-        position p+1 (the same decision on every stage: it comes out of collectives)."""
+    def verify_sampled(st, loc, h):
+        """Every stage, on its vocabulary shard: the token at p leaves the last stage (h [H], its output,
+        on every device); its logits decide position p+1 (the same decision on every stage: it comes
+        out of collectives). Greedy verification is in the cycle, its argmax gathered with the draft's."""
         p1 = st.t - last + 1
         has_next = st.valid[last - 1] if n > 1 else jnp.bool_(False)
-        logits = target_logits(bcast(x_out[0, 0]))
+        logits = target_logits(h)
         drafted = st.seq[p1]
-        if ec.greedy:
-            ok, y = vocab.verify_greedy(logits, ids_v, drafted, STAGE)
-            return has_next & ok, y
         # the draft at p1's q (read only when has_next; without drafts there is none)
         q_dist = loc.qring[p1 % n] if sampled_drafts else jnp.zeros((vs.rows,), jnp.float32)
         ok, y = vocab.verify_sampled(token_key(sp["seed"], p1), warp(logits, own_v, vs.rows), q_dist, drafted,
@@ -283,16 +282,12 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         st, loc = carry
         t, valid, seq = st.t, st.valid, st.seq
 
-        # 1. draft x_{t+1} from the states at the start of the cycle (early start)
+        # 1. the drafter's network for x_{t+1}, from the states at the start of the cycle (early start)
         can_draft = (t + 1 < budget_end) & drafts
         dstate, qring = loc.dstate, loc.qring
-        draft = jnp.int32(0)
+        cyc = SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table)
         if drafts:
-            draft, q, dstate = drafter.spd_draft(
-                dparams, dstate, SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table),
-                ops)
-            if sampled_drafts:
-                qring = qring.at[(t + 1) % n].set(q)
+            x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc, ops)  # [H], the drafter's device's
 
         # 2. every stage advances its token
         # a PSM device of its own (s == n) holds no stage: never valid
@@ -304,23 +299,45 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
             lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, 1, H), a[0].dtype), STAGE)),
             (x_in, loc.cache))
 
-        # 3. anchor states of the in-flight tokens, gathered everywhere
+        # 3. the cycle's one broadcast of [H] values: every device's packet to every device (one all-gather):
+        # its output (the last stage's is the token verified), the anchor states it made (each anchor has
+        # one maker) and the drafter's hidden state. One dtype for the packet, the widest of them, so each
+        # value comes back exactly. (The next stage's input goes by the pipeline's own ppermute, step 5.)
+        parts = [x_out[0, 0][None]] + ([anc[:, 0, 0]] if gathers else []) + ([x_draft[None]] if drafts else [])
+        dt = jnp.result_type(*parts)
+        every = vocab.gather(jnp.concatenate([p.astype(dt) for p in parts]), STAGE)  # [D, 1 + m + drafts, H]
+        h_verify = every[last, 0].astype(x_out.dtype)
         table = st.table
         if gathers:
-            # one all-reduce of [m, H]: each anchor has one maker, every other stage adds zeros
-            fresh = jax.lax.psum(anc[:, 0, 0] * (produces & valid_s)[:, None].astype(anc.dtype), STAGE)
+            fresh = every[jnp.maximum(made_by, 0), 1 + jnp.arange(m)].astype(table.dtype)  # [m, H] from the makers
             came = (made_by >= 0) & valid[jnp.maximum(made_by, 0)]  # [m], replicated
             slot, a_ids = (t - made_by) % W, jnp.arange(m)  # the maker's token position t - s, in the ring
             table = table.at[slot, a_ids].set(jnp.where(came[:, None], fresh, table[slot, a_ids]))
 
-        # 4. verify on the last stage; the decision is made identical everywhere
+        # 4. the heads on every device's shard: the draft for t + 1, and the verification of the token
+        # leaving the last stage (skipped while the pipeline refills: `verified` is replicated, so every
+        # stage takes the same branch); the decisions come out of collectives, identical everywhere
         verified = valid[last]
-        # skipped while the pipeline refills (`verified` is replicated, so every stage takes the same
-        # branch and the collectives inside stay matched)
-        ok, y = jax.lax.cond(verified, lambda a: verify(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
-                             (st, loc._replace(qring=qring), x_out))
         p1 = t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
+        draft = jnp.int32(0)
+        if drafts:
+            head, token_ids = drafter.spd_head(dparams, every[ec.psm_dev, -1].astype(x_draft.dtype), cyc, ops)
+            d_logits, d_ids, hs = draft_logits(head, token_ids)
+        if ec.greedy:  # both argmaxes from one all-gather of each shard's best (`vocab.argmax`, two heads)
+            none = vary(vocab.shard_best(jnp.full((1,), -jnp.inf), jnp.zeros((1,), jnp.int32)), STAGE)
+            best = [jax.lax.cond(verified, lambda h: vocab.shard_best(target_logits(h), ids_v), lambda h: none,
+                                 h_verify)] + ([vocab.shard_best(d_logits, d_ids)] if drafts else [])
+            chosen = vocab.best_of(vocab.gather(jnp.stack(best), STAGE))  # [1 + drafts]
+            y, draft = chosen[0], chosen[-1] if drafts else draft
+            ok = has_next & (seq[p1] == y)  # `vocab.verify_greedy`'s rule
+        else:
+            if drafts:
+                draft, q = draft_sampled(d_logits, d_ids, hs, token_ids, t + 1)
+                if sampled_drafts:
+                    qring = qring.at[(t + 1) % n].set(q)
+            ok, y = jax.lax.cond(verified, lambda a: verify_sampled(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
+                                 (st, loc._replace(qring=qring), h_verify))
         accept = verified & ok
         replace = verified & ~ok
         seq = jnp.where(replace, seq.at[p1].set(y), seq)

@@ -4,8 +4,9 @@ An LM head is as costly as several layers (SmolLM2's 49,152 x 576 head reads as 
 30 layers; Qwen3.5's 248k vocabulary is a third of the 0.8B model), so the SPD engine does not leave it
 on one device: each of the n devices of the `stage` axis computes the logits of one contiguous shard of
 the head's rows, and the argmax, the sampling draw and the accept/replace decision are made by
-collectives over that axis that move scalars only (and, for a top-k filter, each shard's k best
-logits; top-p without top-k is the one case that gathers the vocabulary's logits). The one
+collectives over that axis that move scalars only (an argmax: one all-gather of each shard's maximum and
+its id; and, for a top-k filter, each shard's k best logits; top-p without top-k is the one case that
+gathers the vocabulary's logits). The one
 vocabulary-sized cost left per draw is the Gumbel noise each device generates (below).
 
 The draws are exactly those of the unsharded rules: `jax.random.categorical(key, w)` is
@@ -66,15 +67,33 @@ def _pmax(x, axis):
     return x if axis is None else jax.lax.pmax(x, axis)
 
 
-def _pmin(x, axis):
-    return x if axis is None else jax.lax.pmin(x, axis)
+def shard_best(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """logits [rows] (-inf off the shard's own rows), ids [rows] -> [2] int32: this shard's maximum
+    (float32, its bits) and the smallest id at it: what one shard tells the others for an argmax."""
+    top = jnp.max(logits).astype(jnp.float32)
+    first = jnp.min(jnp.where(logits == top, ids, _NO_ID)).astype(jnp.int32)
+    return jnp.stack([jax.lax.bitcast_convert_type(top, jnp.int32), first])
+
+
+def best_of(best: jax.Array) -> jax.Array:
+    """best [D, ..., 2]: every shard's `shard_best` -> [...] int32: the id of the global maximum, the
+    smallest among equal maxima (the shards whose maximum is the global one hold their smallest id at it;
+    the others hold no row equal to it)."""
+    top = jax.lax.bitcast_convert_type(best[..., 0], jnp.float32)  # [D, ...]
+    return jnp.min(jnp.where(top == jnp.max(top, axis=0), best[..., 1], _NO_ID), axis=0)
+
+
+def gather(x: jax.Array, axis: str | None) -> jax.Array:
+    """Every device's x, stacked: [D, ...] and the same on every device (one all-gather); [1, ...]
+    with axis=None."""
+    return x[None] if axis is None else jax.lax.all_gather(x, axis, to="invarying")
 
 
 def argmax(logits: jax.Array, ids: jax.Array, axis: str | None) -> jax.Array:
     """logits [rows] (-inf off the shard's own rows), ids [rows] -> the id of the global maximum,
-    the smallest id among equal maxima (int32, the same on every device)."""
-    top = _pmax(jnp.max(logits), axis)
-    return _pmin(jnp.min(jnp.where(logits == top, ids, _NO_ID)), axis).astype(jnp.int32)
+    the smallest id among equal maxima (int32, the same on every device): one all-gather of each
+    shard's `shard_best` (the SPD engine gathers its two heads' in one, `decode.spd`)."""
+    return best_of(gather(shard_best(logits, ids), axis))
 
 
 def softmax(logits: jax.Array, axis: str | None) -> jax.Array:

@@ -79,16 +79,12 @@ class SpdOps(NamedTuple):
     # on_device(fn, other, operand): fn(operand) on the drafter's device, other(operand) elsewhere (a
     # `lax.cond`: a drafter's layers run once, on one device); both return the same (varying) types
     on_device: Callable[[Callable, Callable, Any], Any]
-    broadcast: Callable[[jax.Array], jax.Array]  # the drafter's device's value, on every device
     vary: Callable[[Any], Any]  # a replicated value cast to per-device (varying), as loop carries need
-    # choose(head, token_ids, pos) -> (draft token int32, q): the draft for position pos from a head
-    # over rows of token ids (None: the whole vocabulary in order; else [V'] the token id of each row);
-    # head(start, rows) -> float32 logits [rows] of rows [start, start + rows), this device's shard.
-    # Greedy: the argmax; sampling: a draw with the position's draft key, q [rows] this device's shard
-    # of the target-vocabulary distribution verification reads (None when greedy).
-    choose: Callable[[Callable, jax.Array | None, jax.Array], tuple[jax.Array, jax.Array | None]]
-    # point_mass(token) -> q of a drafter that proposes a token with certainty (None when greedy)
-    point_mass: Callable[[jax.Array], jax.Array | None]
+
+
+# head(start, rows) -> float32 logits [rows] of a drafter head's rows [start, start + rows): the shard one
+# device computes
+Head = Callable[[jax.Array, int], jax.Array]
 
 
 class SpdDrafter(Protocol):
@@ -103,8 +99,16 @@ class SpdDrafter(Protocol):
         """The prompt's positions, all verified: anchor_states [m, P_pad, H] (rows past the prompt are
         padding). -> state."""
 
-    def spd_draft(self, params: Any, state: Any, cycle: SpdCycle, ops: SpdOps):
-        """-> (the draft token for position cycle.t + 1, its q (`ops.choose`'s), state)."""
+    def spd_draft(self, params: Any, state: Any, cycle: SpdCycle, ops: SpdOps) -> tuple[jax.Array, Any]:
+        """The drafter's network for the draft of position cycle.t + 1, run on its device (`ops.on_device`)
+        -> (x [H]: its hidden state there, any value elsewhere; state). The engine sends the drafter's
+        device's x to every device in the cycle's one exchange of [H] values, then asks `spd_head`."""
+
+    def spd_head(self, params: Any, h: jax.Array, cycle: SpdCycle, ops: SpdOps) -> tuple[Head, jax.Array | None]:
+        """h [H]: `spd_draft`'s x from the drafter's device, on every device -> (head, token_ids): the
+        draft head (`Head`), each device computing its shard of the rows, and token_ids [V'] the token id
+        of each row (None: the whole vocabulary in order). The engine makes the choice (argmax, or a draw
+        with the position's draft key) over the shards, as it does the target's."""
 
 
 # ---------------------------------------------------------------- what drafters read of the target
@@ -189,6 +193,9 @@ class NoDrafter(_Stateless):
     def spd_draft(self, params, state, cycle, ops):
         raise AssertionError("the SPD engine asks a drafter with k = 0 for no draft")
 
+    def spd_head(self, params, h, cycle, ops):
+        raise AssertionError("the SPD engine asks a drafter with k = 0 for no draft")
+
 
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter(_Stateless):
@@ -210,5 +217,14 @@ class OracleDrafter(_Stateless):
         return drafts, jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32), state
 
     def spd_draft(self, params, state, cycle, ops):
-        draft = jnp.take(params, cycle.t + 1, mode="fill", fill_value=0)
-        return draft, ops.point_mass(draft), state
+        return jnp.zeros(cycle.table.shape[-1:], cycle.table.dtype), state  # no network: nothing to send
+
+    def spd_head(self, params, h, cycle, ops):
+        """A head with all its mass on the reference token: the argmax and any draw are that token, and
+        its distribution q is the point mass on it."""
+        ref = jnp.take(params, cycle.t + 1, mode="fill", fill_value=0)
+
+        def head(start, rows):
+            return jnp.where(start + jnp.arange(rows) == ref, 0.0, -jnp.inf).astype(jnp.float32)
+
+        return head, None

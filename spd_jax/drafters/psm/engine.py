@@ -17,8 +17,8 @@ class PSMDrafter:
     """The PSM as the SPD engine's drafter (`drafters.base.SpdDrafter`): its state is its KV cache of
     completed rows; each cycle it recomputes the block of rows from the first uncached position to the
     newest token (completed rows of the deepest type, in-flight rows typed by their depth) on the
-    drafter's device, and its head runs on every device's shard. params: `init_psm` / `load_psm`'s
-    variables."""
+    drafter's device (`spd_draft`), and its head runs on every device's shard (`spd_head`). params:
+    `init_psm` / `load_psm`'s variables."""
 
     cfg: ModelConfig  # the target's
     spec: PSMConfig
@@ -55,14 +55,11 @@ class PSMDrafter:
             return self.module.apply(params, ops.vary(h), cache, cycle.cached, cycle.t, cycle.completed,
                                      method=PSM.draft_hidden)
 
-        x, state = ops.on_device(body, lambda cache: (ops.vary(jnp.zeros((self.cfg.hidden_size,), cycle.table.dtype)),
-                                                       cache), state)
-        h = ops.broadcast(x)  # [H], the drafter device's
+        return ops.on_device(body, lambda cache: (ops.vary(jnp.zeros((self.cfg.hidden_size,), cycle.table.dtype)),
+                                                  cache), state)
 
+    def spd_head(self, params, h, cycle, ops):
         def head(start, rows):
             return self.module.apply(params, h, ops.final_norm, start, rows, method=PSM.head_logits)
 
-        ids = self.module.apply(params, method=PSM.token_ids) if self.spec.draft_vocab else None
-        draft, q = ops.choose(head, ids, cycle.t + 1)
-        return draft, q, state
-
+        return head, self.module.apply(params, method=PSM.token_ids) if self.spec.draft_vocab else None
