@@ -15,6 +15,7 @@ from spd_jax import methods
 from spd_jax.decode import pipelined
 from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
+from spd_jax.pipeline.profile import loop_collectives
 from spd_jax.drafters import psm
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
 
@@ -191,6 +192,18 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
     outside, p_bad = pvalue(_pair_counts(model, 200, **kw))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
+
+
+@pytest.mark.parametrize("method", ["spd", "pipeline"])
+def test_a_greedy_cycle_runs_three_collectives(deep, method):
+    """The pipeline's ppermute of the hidden state to the next stage, one all-gather of every device's
+    [H] values (its output, the anchor states it made, the drafter's hidden state) and one of the heads'
+    per-shard best logits: what a compiled cycle runs."""
+    if deep.config.linear is not None:
+        pytest.skip("the cycle's communication does not depend on the layer kinds")
+    spd_jax.generate(deep, PROMPT, 4, stop_at_eos=False, method=method, n=4, psm_layers=1, psm_placement="own")
+    assert loop_collectives(methods.get(method).compiled.latest().as_text()) == {"collective-permute": 1,
+                                                                                 "all-gather": 2}
 
 
 def test_partition_helpers():

@@ -84,6 +84,12 @@ class CompileCache:
             self._entries.popitem(last=False)
         return exe, seconds
 
+    def latest(self) -> Any:
+        """The executable used last (compiled or hit): what a benchmark inspects after a call."""
+        if not self._entries:
+            raise LookupError("nothing compiled yet")
+        return next(reversed(self._entries.values()))
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -1,8 +1,10 @@
 """Time the parts of one SPD cycle on the current backend, each as its own small jitted program:
 every stage's layers on one token, the PSM's layers (on the last stage), the PSM's head and the
 verification head on one vocabulary shard (final norm + 1/n of the LM head + choice; every stage runs
-one of each), and the per-cycle collectives of the engine (hidden-state permute, anchor all-reduce,
-hidden-state broadcasts, the scalar reductions of the vocabulary-parallel choices).
+one of each), and the per-cycle collectives of the engine (greedy: the hidden state's permute, one
+all-gather of every device's output, anchor states and drafter state, one of the two heads' per-shard
+best logits).
+`loop_collectives` counts the collectives a compiled loop runs per iteration.
 
 Each figure is the median wall time of a call, including its host dispatch; the engine itself runs
 all of them inside one on-device loop, so `cycle_ms - (slowest stage + PSM + verify + comm)` measured
@@ -11,6 +13,9 @@ on the real engine is the remaining overhead (synchronisation and what the parts
 
 from __future__ import annotations
 
+import collections
+import functools
+import re
 import statistics
 import time
 
@@ -86,13 +91,14 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def collectives(x, table):
         def body(_, c):
             x, table = c
+            # the engine's cycle (`decode.spd`): the hidden state's permute to the next stage, one
+            # all-gather of each device's [m + 2, H] packet (its output, the anchor states it made, the
+            # drafter's hidden state), then one of each shard's best logit and its id for the two heads
             x = jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
-            table = vary(jax.lax.psum(table, STAGE), STAGE)  # the carry stays per-stage
-            # the broadcasts of the verified token's and the PSM's hidden states ([H] each), and the two
-            # greedy argmaxes over the vocabulary shards (a max and a min each)
-            hx = jax.lax.psum(x, STAGE) + jax.lax.psum(x, STAGE)
-            d = sum(jax.lax.pmin(jax.lax.pmax(jnp.max(hx), STAGE).astype(jnp.int32), STAGE) for _ in range(2))
-            return x + d.astype(x.dtype), table
+            every = jax.lax.all_gather(jnp.concatenate([x[0], table, x[0]]), STAGE, to="invarying")
+            best = jnp.stack([jnp.max(every, axis=(0, 1)).astype(jnp.int32)[:2]] * 2)  # [2 heads, 2]
+            picked = jnp.min(jax.lax.all_gather(best, STAGE, to="invarying"))
+            return x + picked.astype(x.dtype), table
         return jax.lax.fori_loop(0, reps, body, (x, table))
 
     comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE))))
@@ -106,3 +112,44 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
                 comm_ms=comm_ms, context=context, n=n, stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
                          "amortised over an on-device loop")
+
+
+# ---------------------------------------------------------------- what a compiled loop communicates
+
+_COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(")
+
+
+def loop_collectives(hlo_text: str) -> dict[str, int]:
+    """The collectives one iteration of a compiled program's main loop runs, by HLO op kind, from its
+    optimised HLO text (`compiled.as_text()`): of the `while` loops, the one whose body (with what it
+    calls) holds the most (the SPD engine's decode loop; the prefill's holds one permute). Of a
+    conditional's branches the one holding the most counts (one of them runs); a loop nested in the body
+    counts once."""
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+
+    @functools.cache
+    def count(comp: str) -> collections.Counter:
+        total = collections.Counter()
+        for line in comps.get(comp, ()):
+            hit = _COLLECTIVE.search(line)
+            if hit:
+                total[hit.group(1)] += 1
+            for called in re.findall(r"\b(?:body|to_apply|calls)=%([\w.\-]+)", line):
+                total += count(called)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            options = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
+                       else re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line))
+            if options:
+                total += max((count(c) for c in options), key=lambda c: sum(c.values()))
+        return total
+
+    bodies = [b for lines in comps.values() for line in lines for b in re.findall(r"\bwhile\(.*\bbody=%([\w.\-]+)", line)]
+    return dict(max((count(b) for b in bodies), key=lambda c: sum(c.values()), default=collections.Counter()))
