@@ -3,6 +3,7 @@ own processes on this machine, next to the cost model's prediction for the same 
 
     python -m bench.wallclock [--model smollm2-135m-instruct] [--bench mt_bench] [--prompts 4]
                               [--max-new-tokens 128] [--spec PATH | --random-psm] [--out runs/wallclock]
+                              [--configs ar1,ar,tp,pipeline,spd,spd1] [--against CHECKOUT]
 
 Configurations (each one `python -m infer.generate --json` run over the same prompt file, greedy, no EOS
 stop, a first warm-up prompt dropped):
@@ -14,6 +15,9 @@ stop, a first warm-up prompt dropped):
   spd n=2, 1 proc   one process, 2 host devices sharing both cores (what a single process gets)
 tokens/s = generated tokens / wall time of `generate` (prefill + the on-device decode loop + every
 collective + the result's copy to the host; compilation excluded, ahead of time).
+--against CHECKOUT runs each chosen configuration a second time with another checkout's code (a git
+worktree at an older commit, say), right after this one's: a before/after of a change in one run, each
+row's "vs ar" against its own checkout's ar.
 
 Prediction: the cost model (`spd_jax.pipeline.costs.predict`, decode only) with this machine's
 profile: per-part times fitted from `profile_cycle` run pinned to one core (one core = one device), and
@@ -55,8 +59,11 @@ def _pinned(core: int):
     return lambda: os.sched_setaffinity(0, {core})
 
 
-def _run(cmd: list[str], pin: int | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+def _run(cmd: list[str], pin: int | None = None, timeout: float = 3600,
+         checkout: Path = ROOT) -> subprocess.CompletedProcess:
+    """cmd in `checkout` (a checkout of this repository: its code runs, this one's unless told)."""
+    env = os.environ | ({"PYTHONPATH": str(checkout)} if checkout != ROOT else {})
+    r = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, timeout=timeout, env=env,
                        preexec_fn=_pinned(pin) if pin is not None else None)
     if r.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed (code {r.returncode}):\n{r.stderr[-3000:]}")
@@ -75,7 +82,7 @@ def part_profile(args) -> None:
 
 
 def part_link(args) -> None:
-    """In each of 2 one-core processes: the per-call time of the collectives a cycle uses, over gloo,
+    """In each of 2 one-core processes: the per-call time of the collectives a cycle uses (and tp's), over gloo,
     each inside an on-device loop of `iters` calls (dispatch amortised)."""
     cluster = distributed.cluster_from(args)
     distributed.initialize(cluster, 1)  # before JAX initialises its backend
@@ -99,7 +106,9 @@ def part_link(args) -> None:
     res = dict(hidden=H,
                ppermute_hidden_s=timed(lambda v: jax.lax.ppermute(v, STAGE, [(0, 1), (1, 0)]), jnp.ones((1, H))),
                allreduce_hidden_s=timed(lambda v: jax.lax.psum(v, STAGE), jnp.ones((1, H))),
-               allreduce_scalar_s=timed(lambda v: jax.lax.psum(v, STAGE), jnp.ones((1, 1))))
+               allreduce_scalar_s=timed(lambda v: jax.lax.psum(v, STAGE), jnp.ones((1, 1))),
+               allgather_hidden_s=timed(lambda v: jax.lax.all_gather(v, STAGE, to="invarying")[1], jnp.ones((1, H))),
+               allgather_scalar_s=timed(lambda v: jax.lax.all_gather(v, STAGE, to="invarying")[1], jnp.ones((1, 1))))
     if distributed.is_leader():
         Path(args.part_out).write_text(json.dumps(res))
 
@@ -107,29 +116,36 @@ def part_link(args) -> None:
 # ---------------------------------------------------------------- the parent
 
 
-CONFIGS = [  # (label, infer.generate flags, pin to one core, processes)
-    ("ar, 1 core", ["--mode", "ar"], True, 1),
-    ("ar, 2 cores", ["--mode", "ar"], False, 1),
-    ("tp n=2, 2 processes", ["--mode", "tp", "--n", "2", "--processes", "2"], False, 2),
-    ("pipeline n=2, 2 processes", ["--mode", "pipeline", "--n", "2", "--processes", "2"], False, 2),
-    ("spd n=2, 2 processes", ["--mode", "spd", "--n", "2", "--processes", "2"], False, 2),
-    ("spd n=2, 1 process", ["--mode", "spd", "--n", "2"], False, 1),
-]
+CONFIGS = {  # --configs name: (label, infer.generate flags, pin to one core, processes)
+    "ar1": ("ar, 1 core", ["--mode", "ar"], True, 1),
+    "ar": ("ar, 2 cores", ["--mode", "ar"], False, 1),  # the reference: always run
+    "tp": ("tp n=2, 2 processes", ["--mode", "tp", "--n", "2", "--processes", "2"], False, 2),
+    "pipeline": ("pipeline n=2, 2 processes", ["--mode", "pipeline", "--n", "2", "--processes", "2"], False, 2),
+    "spd": ("spd n=2, 2 processes", ["--mode", "spd", "--n", "2", "--processes", "2"], False, 2),
+    "spd1": ("spd n=2, 1 process", ["--mode", "spd", "--n", "2"], False, 1),
+}
+REFERENCE = CONFIGS["ar"][0]
 
 
 def measure(args, prompt_file: Path) -> list[dict]:
     # no PSM ships for n = 2: a random one unless --spec gives one (generate asks for it explicitly)
     spec = ["--spec", args.spec] if args.spec and not args.random_psm else ["--random-psm"]
+    runs = [(c, ROOT, c[0]) for name, c in CONFIGS.items() if name == "ar" or name in args.configs]
+    if args.against:  # the same configurations on the other checkout, each right after this one's
+        other = Path(args.against).resolve()
+        runs = [r for c, root, label in runs for r in ((c, root, label), (c, other, f"{label} [{args.against_label}]"))]
     out = []
-    for label, flags, pin, procs in progress_bar(CONFIGS, desc="wallclock", unit="config"):
+    for (base, flags, pin, procs), checkout, label in progress_bar(runs, desc="wallclock", unit="config"):
         cmd = [sys.executable, "-m", "infer.generate", "--json", "--model", args.model, "--prompt-file",
                str(prompt_file), "--max-new-tokens", str(args.max_new_tokens), "--no-eos", *flags,
                *(spec if METHODS[flags[flags.index("--mode") + 1]].random_drafter_on_request else [])]
-        rows = [json.loads(x) for x in _run(cmd, pin=0 if pin else None).stdout.splitlines()][1:]  # warm-up off
+        done = _run(cmd, pin=0 if pin else None, checkout=checkout)
+        rows = [json.loads(x) for x in done.stdout.splitlines()][1:]  # the first prompt, a warm-up, dropped
         tokens = sum(r["stats"]["tokens"] for r in rows)
         wall = sum(r["stats"]["wall_s"] for r in rows)
         cycles = sum(r["stats"].get("cycles", r["stats"]["tokens"]) for r in rows)
-        out.append(dict(config=label, processes=procs, cores=1 if pin else 2, prompts=len(rows), tokens=tokens,
+        out.append(dict(config=label, base=base, checkout=str(checkout), processes=procs, cores=1 if pin else 2,
+                        prompts=len(rows), tokens=tokens,
                         wall_s=wall, tokens_per_s=tokens / wall, alpha=tokens / cycles,
                         S0=(tokens / cycles * sum(rows[0]["stats"]["stage_layers"]) / max(rows[0]["stats"]["stage_layers"])
                             if "stage_layers" in rows[0]["stats"] else None),
@@ -159,14 +175,14 @@ def predictions(args, prof: dict, link: dict, alpha: float) -> dict:
 
 
 def table(rows: list[dict], pred: dict, setup: dict) -> str:
-    ar2 = next(r["tokens_per_s"] for r in rows if r["config"] == "ar, 2 cores")
+    ar2 = {r["checkout"]: r["tokens_per_s"] for r in rows if r["base"] == REFERENCE}  # each checkout's own
     lines = ["# Wall-clock, everything counted", "", "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()), "",
              "| configuration | processes x cores | tokens | alpha | measured tok/s | vs ar 2 cores | predicted tok/s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         pr = pred.get(r["config"])
         lines.append(f"| {r['config']} | {r['processes']} x {r['cores'] if r['processes'] == 1 else 1} | {r['tokens']} | "
-                     f"{r['alpha']:.3f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / ar2:.2f}x | "
+                     f"{r['alpha']:.3f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / ar2[r['checkout']]:.2f}x | "
                      f"{f'{pr:.1f}' if pr else '-'} |")
     lines += ["", "What each measurement includes (tokens / the wall time of `generate`; the JSON has each row's):", ""]
     seen = set()
@@ -175,8 +191,9 @@ def table(rows: list[dict], pred: dict, setup: dict) -> str:
             seen.add(r["timing_includes"])
             lines.append(f"- {', '.join(x['config'] for x in rows if x['timing_includes'] == r['timing_includes'])}: "
                          f"{r['timing_includes']}")
-    lines += ["", f"Predicted (decode only, no prefill): {pred['_includes']}", "",
-              f"Profile: {pred['_hardware']['name']}: {pred['_hardware']['assumes']}", ""]
+    if pred:
+        lines += ["", f"Predicted (decode only, no prefill): {pred['_includes']}", "",
+                  f"Profile: {pred['_hardware']['name']}: {pred['_hardware']['assumes']}", ""]
     return "\n".join(lines)
 
 
@@ -190,12 +207,25 @@ def main(argv=None) -> int:
     ap.add_argument("--random-psm", action="store_true", help="a random PSM for n=2 (the default without --spec)")
     ap.add_argument("--psm-layers", type=int, default=2)
     ap.add_argument("--context", type=int, default=256, help="context length of the per-part profile")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated configurations to run, of {', '.join(CONFIGS)} (ar, the reference, always "
+                         "runs)")
+    ap.add_argument("--against", default=None,
+                    help="another checkout of this repository (e.g. a git worktree at an older commit): each "
+                         "configuration also runs with its code, right after this checkout's, in the same run")
+    ap.add_argument("--against-label", default="against", help="the label of --against's rows")
     ap.add_argument("--out", default="runs/wallclock")
     ap.add_argument("--part", choices=["profile", "link"], help=argparse.SUPPRESS)  # a child's job
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
     distributed.add_arguments(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(CONFIGS)}")
+    if args.against and not (Path(args.against) / "spd_jax").is_dir():
+        ap.error(f"--against {args.against}: not a checkout of this repository (no spd_jax/ in it)")
     if distributed.launching(args):  # the link part's two workers
         return distributed.launch(args.processes, "bench.wallclock", distributed.worker_argv(argv))
     if args.part == "profile":
@@ -218,16 +248,21 @@ def main(argv=None) -> int:
         for r in rows:  # every method is exact: the same tokens, so the same work per token
             if r["token_ids"] != base:
                 raise SystemExit(f"error: {r['config']} generated other tokens than {rows[0]['config']}")
-        prof_f, link_f = Path(tmp) / "profile.json", Path(tmp) / "link.json"
-        common = [sys.executable, "-m", "bench.wallclock", "--model", args.model, "--psm-layers", str(args.psm_layers),
-                  "--context", str(args.context)]
-        _run(common + ["--part", "profile", "--part-out", str(prof_f)], pin=0)
-        _run(common + ["--part", "link", "--part-out", str(link_f), "--processes", "2"])
-        prof, link = json.loads(prof_f.read_text()), json.loads(link_f.read_text())
-    spd = next(r for r in rows if r["config"] == "spd n=2, 2 processes")
-    pred = predictions(args, prof, link, spd["alpha"])
+        spd = next((r for r in rows if r["config"] == CONFIGS["spd"][0]), None)  # this checkout's
+        prof = link = None
+        pred = {}
+        if spd is not None:  # the cost model's prediction of this checkout, fitted to this machine
+            prof_f, link_f = Path(tmp) / "profile.json", Path(tmp) / "link.json"
+            common = [sys.executable, "-m", "bench.wallclock", "--model", args.model, "--psm-layers",
+                      str(args.psm_layers), "--context", str(args.context)]
+            _run(common + ["--part", "profile", "--part-out", str(prof_f)], pin=0)
+            _run(common + ["--part", "link", "--part-out", str(link_f), "--processes", "2"])
+            prof, link = json.loads(prof_f.read_text()), json.loads(link_f.read_text())
+            pred = predictions(args, prof, link, spd["alpha"])
     setup = dict(model=args.model, bench=args.bench, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                 psm=spd["psm"], cpu=os.cpu_count())
+                 psm=next((r["psm"] for r in rows if r["psm"]), None), cpu=os.cpu_count())
+    if args.against:
+        setup["against"] = f"{args.against_label}: {Path(args.against).resolve()}"
     md = table(rows, pred, setup)
     for r in rows:
         r.pop("token_ids")
