@@ -9,6 +9,8 @@ Measures, in one run:
                   and all-reduces, and the final device-to-host copy; prefill measured by a 1-token run
   pipeline_cycle_ms  the same for the plain pipeline (no PSM)
   ratio           spd_cycle_ms / ar_step_ms
+  collectives     per cycle, by kind: those in the body of the compiled decode loop (`profile.loop_collectives`),
+                  for greedy spd and pipeline and sampled spd
 and the cycle profile (spd_jax.pipeline.profile): each stage, the PSM body, one vocabulary shard of
 the PSM head and of verification, the collectives. Per device, the busy time per cycle with the PSM
 body on the last stage (`--psm-placement last`; its stage and one shard of each head): measured
@@ -38,11 +40,12 @@ import statistics
 import jax.numpy as jnp
 
 import spd_jax  # imports JAX without starting its backend: main still picks the device count
+from spd_jax import methods
 from spd_jax.decode.pipelined import plan_for
 from spd_jax.drafters.kind import Form
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.pipeline import costs
-from spd_jax.pipeline.profile import profile_cycle
+from spd_jax.pipeline.profile import loop_collectives, profile_cycle
 from spd_jax.sharding import request_cpu_devices
 
 
@@ -81,6 +84,11 @@ def main(argv=None) -> int:
         return 1e3 * (full["wall_s"] - pre["wall_s"]) / full["cycles"], full
 
     ar_step(), cycle("spd"), cycle("pipeline")  # warm-up (compiles)
+    # what one cycle communicates: the collectives in the compiled loop's body, greedy and sampled
+    comm = {}
+    for label, method, temp in (("spd", "spd", 0.0), ("pipeline", "pipeline", 0.0), ("spd, sampled T=1", "spd", 1.0)):
+        spd_jax.generate(model, ids, 2, method=method, temperature=temp, **kw)
+        comm[label] = loop_collectives(methods.get(method).compiled.latest().as_text())
     ar, spd, pipe = [], [], []
     for _ in range(args.repeats):
         ar.append(ar_step())
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
                pipeline_cycle_ms=statistics.median(pipe), spd_alpha=spd_stats["alpha"],
-               spd_psm=spd_stats["psm"],
+               spd_psm=spd_stats["psm"], collectives_per_cycle=comm,
                profile=prof)
     res["ratio_spd_cycle_to_ar_step"] = res["spd_cycle_ms"] / res["ar_step_ms"]
     res["ratio_pipeline_cycle_to_ar_step"] = res["pipeline_cycle_ms"] / res["ar_step_ms"]
@@ -111,6 +119,9 @@ def main(argv=None) -> int:
     print(f"AR step            {res['ar_step_ms']:7.2f} ms")
     print(f"SPD cycle          {res['spd_cycle_ms']:7.2f} ms   ratio {res['ratio_spd_cycle_to_ar_step']:.2f}")
     print(f"pipeline cycle     {res['pipeline_cycle_ms']:7.2f} ms   ratio {res['ratio_pipeline_cycle_to_ar_step']:.2f}")
+    print("collectives per cycle (the compiled loop's body): " + "; ".join(
+        f"{k} {sum(c.values())} ({', '.join(f'{v} {op}' for op, v in sorted(c.items()))})"
+        for k, c in res["collectives_per_cycle"].items()))
     print("profile (one call each, incl. dispatch):")
     print("  stages           " + " ".join(f"{t:.2f}" for t in prof["stage_ms"]) + f"  (sum {res['sum_of_stage_ms']:.2f},"
           f" slowest {prof['slowest_stage_ms']:.2f})")
