@@ -17,6 +17,7 @@ from spd_jax.drafters.psm import PSMConfig, init_psm
 from spd_jax.models.costs import embed_cost, head_cost, layer_costs, psm_costs
 from spd_jax.pipeline import costs as cyc
 from spd_jax.pipeline.partition import StagePlan, balanced
+from spd_jax.pipeline.profile import profile_cycle
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5"])
@@ -102,17 +103,26 @@ def test_device_busy_and_predict_sanity():
     r = cyc.predict(cfg, n, psm, _PLAIN, context=256, S0=1.5)
     assert r["alpha"] == pytest.approx(1.5 * plan.max_layers / cfg.num_layers)
     assert r["speedup_spd"] == pytest.approx(r["alpha"] * r["ar_step_s"] / r["spd_cycle_s"])
-    assert r["speedup_tp"] == pytest.approx(n)  # free links, no launches: exactly n-way
+    # tp: the Gated DeltaNet mixers stay whole on every device (not in TP_RULES), so less than n-way
+    assert 1 < r["speedup_tp"] < n and r["tp_comm_s"] < 1e-12
     assert r["spd_comm_s"] < 1e-12 and r["spd_cycle_s"] == pytest.approx(max(busy))
-    # one token at a time through the same work; with sharded heads its head is split n ways
-    assert cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="last")["speedup_pipeline"] == pytest.approx(1.0)
-    assert r["speedup_pipeline"] > 1.0
+    # the plain pipeline: the engine without a drafter, n cycles per token, each its busiest device
+    plain = cyc.cycle_costs(cfg, plan, None, 256)
+    assert not plain.drafter and plain.packet_bytes == cfg.hidden_size * 2
+    for heads in cyc.HEADS:
+        p = cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads=heads)
+        assert p["pipeline_token_s"] == pytest.approx(n * max(cyc._busy_s(plain, _PLAIN, heads)))
+        assert p["speedup_pipeline"] <= 1.0
+    assert r["speedup_pipeline"] > cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="last")["speedup_pipeline"]
     slow_links = dataclasses.replace(_PLAIN, link_latency_s=1e-3, launch_s=1e-5)
     r2 = cyc.predict(cfg, n, psm, slow_links, context=256, S0=1.5)
     assert r2["speedup_tp"] < r["speedup_tp"] and r2["spd_cycle_s"] > r["spd_cycle_s"]
-    # a ppermute, the anchor states, two hidden-state broadcasts, four scalars (argmax max/min x 2 heads)
-    assert r2["spd_comm_s"] == pytest.approx(8e-3)
-    assert cyc.predict(cfg, n, psm, slow_links, 256, 1.5, heads="last")["spd_comm_s"] == pytest.approx(5e-3)
+    # the fused cycle: one all-gather of the hidden-state packets, one of the choices, either heads placement
+    assert r2["spd_comm_s"] == pytest.approx(2e-3)
+    assert cyc.predict(cfg, n, psm, slow_links, 256, 1.5, heads="last")["spd_comm_s"] == pytest.approx(2e-3)
+    assert cyc.collectives(cyc.cycle_costs(cfg, plan, psm, 256)) == [
+        ("all_gather", (psm.m + 2) * cfg.hidden_size * 2), ("all_gather", 16)]
+    assert cyc.collectives(plain) == [("all_gather", cfg.hidden_size * 2), ("all_gather", 8)]
     assert "communication included" in r2["includes"]
     with pytest.raises(ValueError, match="heads must be one of"):
         cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="spread")
@@ -152,7 +162,7 @@ def test_psm_placement():
     cc = cyc.cycle_costs(cfg, plan, psm, 512, psm_device=n)
     assert cc.devices == n + 1 and cc.head_shard.params == -(-cfg.vocab_size // (n + 1)) * cfg.hidden_size + cfg.hidden_size
     links = dataclasses.replace(_PLAIN, link_latency_s=1e-3)
-    assert cyc.comm_s(cc, links) == pytest.approx(8e-3)  # the same collectives, over n + 1 devices
+    assert cyc.comm_s(cc, links) == pytest.approx(2e-3)  # the same two all-gathers, over n + 1 devices
     with pytest.raises(ValueError, match="psm_device 5"):
         cyc.device_busy(cfg, plan, psm, _PLAIN, context=512, psm_device=n + 1)
     for own_ok in (False, True):
@@ -164,23 +174,67 @@ def test_psm_placement():
     assert cyc.best_psm_device(cfg, plan, psm, cyc.H200_NVLINK, 512)[0] in (2, 3)  # a short stage hosts it
 
 
+def _profile_of(hw, cfg, plan, psm, context, ar_step=True):
+    """The `profile_cycle` dict a machine `hw` would measure (float32)."""
+    cc = cyc.cycle_costs(cfg, plan, psm, context, param_bytes=4)
+    prof = dict(stage_ms=[1e3 * hw.part_s(s, stage=True) for s in cc.stages],
+                verify_ms=1e3 * hw.part_s([cc.head_shard]), psm_ms=1e3 * hw.part_s(cc.psm_body),
+                psm_head_ms=1e3 * hw.part_s([cc.psm_head_shard]), comm_ms=1e3 * cyc.comm_s(cc, hw), context=context,
+                stage_layers=list(plan.counts))
+    return prof | (dict(ar_step_ms=1e3 * cyc.ar_step_s(cfg, hw, context, 4)) if ar_step else {})
+
+
 def test_fit_cpu_recovers_a_known_machine():
+    """The fit recovers a machine whose stage programs run at half the bandwidth of the others (stacked
+    weights on XLA:CPU), so the fitted profile predicts the AR step it measured; without an AR step
+    (older profiles) one bandwidth for every part."""
     cfg = ModelConfig.named("qwen3.5-0.8b")
     plan = StagePlan((7, 6, 6, 5))
     psm = _psm_cfg(cfg, plan)
-    true = cyc.Hardware("true", 1e18, 23e9, 40e-6, 23e9, 120e-6, "synthetic", False)
-    cc = cyc.cycle_costs(cfg, plan, psm, 300, param_bytes=4)
-    prof = dict(stage_ms=[1e3 * true.part_s(s) for s in cc.stages], verify_ms=1e3 * true.part_s([cc.head_shard]),
-                psm_ms=1e3 * true.part_s(cc.psm_body), psm_head_ms=1e3 * true.part_s([cc.psm_head_shard]),
-                comm_ms=1e3 * cyc.comm_s(cc, true), context=300, stage_layers=list(plan.counts))
+    true = cyc.Hardware("true", 1e18, 23e9, 40e-6, 23e9, 120e-6, "synthetic", False, stage_efficiency=0.5)
+    prof = _profile_of(true, cfg, plan, psm, 300)
     hw = cyc.fit_cpu(prof, cfg, psm, param_bytes=4)
     assert hw.mem_bytes_per_s == pytest.approx(23e9, rel=1e-6)
+    assert hw.stage_efficiency == pytest.approx(0.5, rel=1e-6)
     assert hw.launch_s == pytest.approx(120e-6, rel=1e-6)
     assert hw.link_latency_s == pytest.approx(40e-6, rel=1e-6)
-    assert not hw.projection
-    # the fitted profile reproduces the measured parts
+    assert not hw.projection and "AR step +0.00" in hw.assumes
+    # the fitted profile reproduces the measured parts and the AR step
     busy = cyc.device_busy(cfg, plan, psm, hw, 300, param_bytes=4)
     assert busy[1] == pytest.approx((prof["stage_ms"][1] + prof["verify_ms"] + prof["psm_head_ms"]) / 1e3)
+    assert cyc.ar_step_s(cfg, hw, 300, 4) == pytest.approx(prof["ar_step_ms"] / 1e3)
+    # an older profile, no AR step: one bandwidth
+    one = dataclasses.replace(true, stage_efficiency=1.0)
+    hw1 = cyc.fit_cpu(_profile_of(one, cfg, plan, psm, 300, ar_step=False), cfg, psm, param_bytes=4)
+    assert hw1.mem_bytes_per_s == pytest.approx(23e9, rel=1e-6) and hw1.stage_efficiency == 1.0
+
+
+def test_profile_cycle_times_what_the_fit_reads(tiny_ckpt):
+    """`profile_cycle` on a tiny model (2 host devices): every part the fit reads, the AR step and the
+    fused cycle's collectives, and a profile fitted from them."""
+    model = spd_jax.load_model(tiny_ckpt("qwen3", False)[0])
+    plan = StagePlan((2, 2))
+    prof = profile_cycle(model, plan, psm_layers=1, context=16, iters=2)
+    assert set(prof) >= {"stage_ms", "verify_ms", "psm_ms", "psm_head_ms", "ar_step_ms", "comm_ms"}
+    assert len(prof["stage_ms"]) == 2 and min(*prof["stage_ms"], prof["ar_step_ms"], prof["comm_ms"]) > 0
+    hw = cyc.fit_cpu(prof, model.config, PSMConfig.for_target(model.config, plan.counts, num_layers=1), param_bytes=4)
+    assert hw.mem_bytes_per_s > 0 and "AR step" in hw.assumes
+
+
+def test_tp_counts_what_its_placement_splits():
+    """`tp`'s step as TP_RULES places the model: a dense model whose heads n divides splits every layer
+    (free links: exactly n-way) and ends each in two all-reduces of [H], plus the embedding's; SmolLM2's 9
+    query heads stay whole on 2, 4 and 8 devices (one all-reduce per layer, its MLP's), split on 3."""
+    cfg = ModelConfig.named("qwen3-0.6b")
+    t = cyc.tp_step(cfg, _PLAIN, 4, 256)
+    assert t["all_reduces"] == 2 * cfg.num_layers + 1
+    assert cyc.ar_step_s(cfg, _PLAIN, 256) / t["step_s"] == pytest.approx(4, rel=1e-3)
+    small = ModelConfig.named("smollm2-135m-instruct")
+    assert [cyc.tp_step(small, _PLAIN, n, 256)["all_reduces"] for n in (2, 3, 4, 8)] == [31, 61, 31, 31]
+    links = dataclasses.replace(_PLAIN, link_latency_s=1e-5)
+    assert cyc.tp_step(cfg, links, 4, 256)["comm_s"] == pytest.approx((2 * cfg.num_layers + 2) * 1e-5)
+    # gpt-fast's placement: embedding and head whole, no all-reduce for them
+    assert cyc.tp_step(cfg, links, 4, 256, vocab_split=False)["all_reduces"] == 2 * cfg.num_layers
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -3,8 +3,8 @@ every stage's layers on one token, the PSM's layers (on the last stage), the PSM
 verification head on one vocabulary shard (final norm + 1/n of the LM head + choice; every stage runs
 one of each), and the per-cycle collectives of the engine (greedy: the hidden state's permute, one
 all-gather of every device's output, anchor states and drafter state, one of the two heads' per-shard
-best logits).
-`loop_collectives` counts the collectives a compiled loop runs per iteration.
+best logits), and, for comparison, one AR decoder step of the whole model as `decode.ar` runs it
+(per-layer weights). `loop_collectives` counts the collectives a compiled loop runs per iteration.
 
 Each figure is the median wall time of a call, including its host dispatch; the engine itself runs
 all of them inside one on-device loop, so `cycle_ms - (slowest stage + PSM + verify + comm)` measured
@@ -84,6 +84,18 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
+    # one AR step of the whole model, as decode.ar runs it: per-layer weights, the whole head, the argmax
+    # (the caches are not returned, so their one-slot write is left out; their reads are timed)
+    head_params = {k: v for k, v in model.params.items() if k != "layers"}
+    ar_layers = decoder.decode_layers(model.params["layers"], cfg)
+    ar_caches = decoder.split_cache(decoder.init_cache(cfg, 1, context + 64, model.dtype), cfg)
+
+    @jax.jit
+    def ar_step(layers, head, caches, tok):
+        return jnp.argmax(decoder.decode_step(layers, head, tok, caches, pos, cfg)[0][0, 0])
+
+    ar_step_ms = _median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
+
     mesh = stage_mesh(n)
     m, H, reps = psm_cfg.m, cfg.hidden_size, 20
     fwd = [(i, i + 1) for i in range(n - 1)]
@@ -108,10 +120,11 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
-                verify_ms=verify_ms,
+                verify_ms=verify_ms, ar_step_ms=ar_step_ms,
                 comm_ms=comm_ms, context=context, n=n, stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
-                         "amortised over an on-device loop")
+                         "amortised over an on-device loop; ar_step: one decoder step of the whole model as "
+                         "decode.ar runs it")
 
 
 # ---------------------------------------------------------------- what a compiled loop communicates

@@ -63,8 +63,7 @@ def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
     where = dict(psm_device=t["psm_device"]) if t.get("psm_device") is not None else {}  # as it ran
     pred = costs.predict(cfg, t["n"], psm_cfg, hw, ctx, S0=t["S0"], plan=plan,
                          alpha=t["alpha"] if t["method"] in DRAFTER_FIELD else None, **where)
-    tp_compute = (pred["ar_step_s"] - hw.launch_s) / t["n"] + hw.launch_s  # 1/n of ar's, one launch
-    parts = {"tp": dict(compute=tp_compute, collectives=pred["tp_step_s"] - tp_compute),
+    parts = {"tp": dict(compute=pred["tp_step_s"] - pred["tp_comm_s"], collectives=pred["tp_comm_s"]),
              "pipeline": dict(step=pred["pipeline_token_s"]),
              "spd": dict(busiest_device=pred["spd_cycle_s"] - pred["spd_comm_s"],
                          collectives=pred["spd_comm_s"])}[t["method"]]

@@ -1,0 +1,171 @@
+"""Hardware profiles for the cost model (`spd_jax.pipeline.costs`): one device's roofline, the fixed costs
+that dominate batch-1 decoding on fast devices, and its collectives' latency by kind and device count.
+
+A part (a program, or a fused group of kernels) costs the roofline of each of its layers,
+max(FLOPs / peak, bytes / (peak bandwidth x achievable fraction)), plus a fixed cost per decoder layer
+(`layer_s`: kernel launches and ramp-up, per layer of the model and of the PSM) and one launch
+(`launch_s`). A collective over D devices costs its latency, `link_latency_s` plus `hop_latency_s` per
+ring step (an all-reduce 2 (D - 1) steps, an all-gather D - 1, a ppermute 1), plus the bytes each device
+receives over the achievable link bandwidth: a ring all-reduce 2 (D - 1) / D of the array, an all-gather
+(D - 1) packets, a ppermute one.
+
+Every constant of a profile names its source in the profile's docstring (`SOURCES`): a URL, or a
+repository path and the figure it reproduces; what no source gave is marked as assumed.
+`tests/test_calibration.py` checks that the profiles reproduce the published figures they were
+calibrated on, through the same formulas the projections use. This module holds numbers only: it must
+not run or compile anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from spd_jax.config import ATTENTION, LINEAR
+from spd_jax.models.costs import LayerCost
+
+# the LayerCost kinds that pay `layer_s`: the model's layers and the drafters' (not heads, embeddings, projections)
+LAYER_KINDS = (ATTENTION, LINEAR, "psm_layer", "eagle3_layer")
+COLLECTIVES = ("all_reduce", "all_gather", "ppermute")
+
+
+def ring_steps(kind: str, devices: int) -> int:
+    """Latency-bound steps of one collective over `devices` (NCCL's ring model, `nsteps` in
+    src/graph/tuning.cc): all-reduce 2 (D - 1), all-gather D - 1, ppermute (one neighbour) 1."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"collective kind must be one of {COLLECTIVES}, got {kind!r}")
+    return {"all_reduce": 2 * (devices - 1), "all_gather": devices - 1, "ppermute": 1}[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """A hardware profile (units in names). The first eight fields are the model's original ones;
+    `link_latency_s` is now the fixed latency of every collective, to which `hop_latency_s` per ring
+    step adds (`ring_steps`)."""
+
+    name: str
+    peak_flops_per_s: float  # dense FLOP/s in the decode dtype
+    mem_bytes_per_s: float  # memory (HBM / DRAM) bandwidth, peak (datasheet)
+    link_latency_s: float  # fixed latency of one collective (any kind, any device count)
+    link_bytes_per_s: float  # per direction, per device, peak
+    launch_s: float  # fixed overhead of each part (a program, or a fused group of kernels)
+    assumes: str  # what the figures are and where they come from
+    projection: bool  # True: figures from published sources, not measured on this machine
+    layer_s: float = 0.0  # fixed cost per decoder layer (model or PSM): launches and ramp-up of its kernels
+    mem_efficiency: float = 1.0  # achievable fraction of mem_bytes_per_s at batch 1
+    link_efficiency: float = 1.0  # achievable fraction of link_bytes_per_s
+    hop_latency_s: float = 0.0  # latency per ring step of a collective (`ring_steps`)
+    stage_efficiency: float = 1.0  # the pipeline stages' programs' bandwidth relative to the others' (CPU fit)
+
+    def seconds(self, c: LayerCost, stage: bool = False) -> float:
+        """One layer's roofline at the achievable bandwidth (a pipeline stage's program: times
+        `stage_efficiency`)."""
+        bw = self.mem_bytes_per_s * self.mem_efficiency * (self.stage_efficiency if stage else 1.0)
+        return c.seconds(self.peak_flops_per_s, bw)
+
+    def part_s(self, costs: Sequence[LayerCost], stage: bool = False) -> float:
+        """One part: the roofline of each of its layers, summed, its decoder layers' fixed costs, and one
+        launch. stage: a pipeline stage's program (`stage_efficiency`)."""
+        return (sum(self.seconds(c, stage) for c in costs) + self.layer_s * sum(c.kind in LAYER_KINDS for c in costs)
+                + self.launch_s)
+
+    def latency_s(self, kind: str, devices: int) -> float:
+        """The latency of one collective of `kind` over `devices` (0 on one device)."""
+        if devices <= 1:
+            return 0.0
+        return self.link_latency_s + self.hop_latency_s * ring_steps(kind, devices)
+
+    def collective_s(self, kind: str, nbytes: float, devices: int) -> float:
+        """One collective over `devices`: its latency plus the bytes each device receives over the
+        achievable link bandwidth. nbytes: the array all-reduced, each device's packet of an all-gather,
+        or what a ppermute sends."""
+        if devices <= 1:
+            return 0.0
+        moved = {"all_reduce": 2 * (devices - 1) / devices * nbytes, "all_gather": (devices - 1) * nbytes,
+                 "ppermute": nbytes}[kind]
+        return self.latency_s(kind, devices) + moved / (self.link_bytes_per_s * self.link_efficiency)
+
+    def ppermute_s(self, nbytes: float) -> float:
+        return self.collective_s("ppermute", nbytes, 2)
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        """A ring all-reduce over n devices: each sends and receives 2 (n - 1) / n of the bytes."""
+        return self.collective_s("all_reduce", nbytes, n)
+
+    def all_gather_s(self, packet_bytes: float, n: int) -> float:
+        """An all-gather over n devices of one packet each: each receives the n - 1 others'."""
+        return self.collective_s("all_gather", packet_bytes, n)
+
+
+# ---------------------------------------------------------------- the calibrated constants
+
+# Two figures fit both, jointly (tests/test_calibration.py reproduces each through `costs.ar_step_s` and
+# `costs.tp_step_s`):
+#  - gpt-fast, Llama-2-7B bf16, batch 1, one A100-80GB: 104.9 tok/s (9.53 ms; pytorch-labs/gpt-fast
+#    README.md, "Tensor Parallelism" table), whose note puts the machine's empirical peak at "about
+#    1700 GB/s" of the datasheet's 2039 (0.83);
+#  - vLLM v0.11.0, Qwen3-8B bf16, batch 1 (--max-concurrency 1, ShareGPT), one H100 SXM: mean TPOT
+#    7.28 ms (gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, "Other Benchmark Cases",
+#    BS=1 baseline).
+# Weights read per token: 13.37 GB (Llama-2-7B) and 15.18 GB (Qwen3-8B); the two times then give the
+# fraction of peak bandwidth and the fixed cost per layer below (both serving stacks run CUDA graphs).
+GPU_MEM_EFFICIENCY = 0.83
+GPU_LAYER_S = 50e-6
+# NCCL's own latency model (NVIDIA/nccl src/graph/tuning.cc, baseLatencies and hwLatencies, Ring / LL
+# protocol over NVLink): 6.6 us per collective + 0.6 us per ring step; an all-reduce of [H] over 8 GPUs
+# 15.0 us, over 2 7.8 us. XLA runs its GPU collectives through NCCL.
+NCCL_BASE_S, NCCL_NVLINK_HOP_S = 6.6e-6, 0.6e-6
+# ring all-reduce bus bandwidth 365-370 GB/s of NVLink 4's 450 on 8 x H100 SXM (NVIDIA/nccl issue 1455)
+NVLINK_EFFICIENCY = 0.8
+GPU_LAUNCH_S = 5e-6  # assumed: one program (a fused group of kernels) inside the on-device loop
+
+H100_NVLINK = Hardware(
+    "H100-SXM-NVLink", peak_flops_per_s=989e12, mem_bytes_per_s=3.35e12, link_latency_s=NCCL_BASE_S,
+    link_bytes_per_s=450e9, launch_s=GPU_LAUNCH_S, layer_s=GPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
+    link_efficiency=NVLINK_EFFICIENCY, hop_latency_s=NCCL_NVLINK_HOP_S, projection=True,
+    assumes="projection, not measured: NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 "
+            "450 GB/s per direction); 83% of peak bandwidth at batch 1 and 50 us fixed per layer, fitted jointly to "
+            "gpt-fast's Llama-2-7B on one A100 and vLLM's Qwen3-8B on one H100 (7.28 ms/token); collectives by "
+            "NCCL's latency model (6.6 us + 0.6 us per ring step; 80% of NVLink, nccl issue 1455); 5 us per "
+            "program assumed; bf16")
+H200_NVLINK = dataclasses.replace(
+    H100_NVLINK, name="H200-SXM-NVLink", mem_bytes_per_s=4.8e12,
+    assumes="projection, not measured: NVIDIA H200 SXM datasheet (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 4 "
+            "450 GB/s per direction); the H100 profile's calibrated fixed costs (83% of peak bandwidth, 50 us per "
+            "layer) and NCCL's collective latencies (6.6 us + 0.6 us per ring step), assumed to carry over; bf16")
+# gpt-fast's tensor-parallel runs (ENABLE_INTRA_NODE_COMM=1 under CUDA graphs: torch's one-shot intra-node
+# all-reduce, not NCCL's ring): 8 x A100-80GB, power limited to 330 W, hybrid cube mesh; a calibration
+# profile, never a projection target
+A100_GPT_FAST = Hardware(
+    "A100-80GB (gpt-fast's machine)", peak_flops_per_s=312e12, mem_bytes_per_s=2.039e12, link_latency_s=4.5e-6,
+    link_bytes_per_s=300e9, launch_s=GPU_LAUNCH_S, layer_s=GPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
+    link_efficiency=NVLINK_EFFICIENCY, projection=True,
+    assumes="calibration only: NVIDIA A100 SXM4 80GB datasheet (312 TFLOP/s bf16, 2.039 TB/s HBM2e, NVLink 3 300 "
+            "GB/s per direction); the GPU fixed costs (83%, 50 us per layer); gpt-fast's one-shot all-reduce under "
+            "CUDA graphs 4.5 us at any device count, fitted with them to its TP curve (3.7-5.9 us for such one-shot "
+            "kernels on H100: sgl-project/sglang pull 2904)")
+# ICI (jax-ml/scaling-book tpus.md, "interconnect figures": one-way per link 4.5e10 bytes/s on v5e, 9e10 on
+# v5p; sharding.md, "A note on ICI latency": about 1 us per hop; and its measured 3-hop all-gather of 32 kB
+# shards on v5e, "closer to 8us": 3 us of hops + 2.6 us of bytes at the achievable bandwidth below leave
+# 2.5 us per collective)
+ICI_BASE_S, ICI_HOP_S = 2.5e-6, 1e-6
+# achievable ICI: the same section's 4-chip all-gather measured at 680 us against 560 us at full bandwidth
+ICI_EFFICIENCY = 0.82
+TPU_LAYER_S = 20e-6  # assumed (no published batch-1 TPU figure found): XLA's fused ops in one on-device loop
+TPU_LAUNCH_S = 3e-6  # assumed
+TPU_V5E_ICI = Hardware(
+    "TPU-v5e-ICI", peak_flops_per_s=197e12, mem_bytes_per_s=819e9, link_latency_s=ICI_BASE_S,
+    link_bytes_per_s=45e9, launch_s=TPU_LAUNCH_S, layer_s=TPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
+    link_efficiency=ICI_EFFICIENCY, hop_latency_s=ICI_HOP_S, projection=True,
+    assumes="projection, not measured: Cloud TPU v5e (197 TFLOP/s bf16, 819 GB/s HBM2; ICI 45 GB/s one way per "
+            "link, jax-ml/scaling-book); collectives 2.5 us + 1 us per hop (scaling-book's ICI latency note and its "
+            "measured 8 us 3-hop all-gather), 82% of ICI; 83% of peak HBM (the GPU calibration's, assumed) and 20 "
+            "us per layer (assumed: no published batch-1 TPU figure); bf16")
+TPU_V5P_ICI = dataclasses.replace(
+    TPU_V5E_ICI, name="TPU-v5p-ICI", peak_flops_per_s=459e12, mem_bytes_per_s=2.765e12, link_bytes_per_s=90e9,
+    assumes="projection, not measured: Cloud TPU v5p (459 TFLOP/s bf16, 2.765 TB/s HBM2e; ICI 90 GB/s one way per "
+            "link, jax-ml/scaling-book); latencies, efficiencies and the per-layer cost as the v5e profile's "
+            "(assumed); bf16")
+
+PROFILES = {hw.name: hw for hw in (H100_NVLINK, H200_NVLINK, TPU_V5E_ICI, TPU_V5P_ICI)}
+
