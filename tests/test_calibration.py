@@ -6,11 +6,13 @@ peak bandwidth, 5 us per collective) miss them, so these checks can fail. Number
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from spd_jax.pipeline import calibration
 from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_NVLINK, H200_NVLINK, TPU_V5E_ICI
+from spd_jax.reports.projections import projections_markdown
 
 TOLERANCE = 0.10  # relative, on every figure
 
@@ -45,3 +47,10 @@ def test_collective_latencies_follow_their_sources():
     # the H200 profile shares the H100's fixed costs and links; only its bandwidth differs
     assert dataclasses.replace(H200_NVLINK, mem_bytes_per_s=H100_NVLINK.mem_bytes_per_s, name=H100_NVLINK.name,
                                assumes=H100_NVLINK.assumes) == H100_NVLINK
+
+
+def test_the_projections_page_is_current():
+    """docs/projections.md is what `python -m bench.projections --out docs/projections.md` writes now: a
+    changed constant or formula regenerates it (never hand-edited)."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "projections.md"
+    assert page.read_text() == projections_markdown(), "regenerate: python -m bench.projections --out docs/projections.md"
