@@ -48,7 +48,7 @@ def _lines(ax, table: list[dict], value, colors: dict[str, str]) -> None:
 def plot_results(table: list[dict], out: Path) -> None:
     """s0_vs_n.png: S0 against n, one panel per benchmark and over all (the drafting methods; ar = 1).
     speed_vs_n.png: speedup over ar against n, every method over all benchmarks: measured here, and
-    the cost model's projections for the H200-like and TPU-like profiles. cycle_breakdown.png: see
+    the cost model's projections for the H200 and TPU v5e profiles. cycle_breakdown.png: see
     plot_breakdown. Colour = method, solid = T 0, dashed = T 1; eagle3 runs on one device (n = 1)."""
     matplotlib.use("Agg")
     colors = _series_style([method_label(t) for t in table if t["method"] != BASELINE])
@@ -68,7 +68,7 @@ def plot_results(table: list[dict], out: Path) -> None:
     rows = [t for t in table if t["bench"] == "all" and t["method"] != BASELINE]
     panels = [("measured here", lambda t: t["speed_vs_ar"])]
     if any("proj" in t for t in rows):
-        panels += [(f"projected, {p}-like (cost model)", lambda t, p=p: t["proj"][p]["speedup"] if "proj" in t
+        panels += [(f"projected, {p} (cost model)", lambda t, p=p: t["proj"][p]["speedup"] if "proj" in t
                     else None) for p in PROFILES]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False, layout="constrained")
     for ax, (title, value) in zip(axes[0], panels):
@@ -97,7 +97,7 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
     """Time per cycle, stacked, one bar per (method, n, k, T) over all benchmarks. Left, measured here:
     wall time / cycles (rounds for eagle3, tokens for ar and tp), split only where the method times its
     parts apart (ar, tp: prefill and the decode loop; the others time prefill and loop as one). Right,
-    when the table is projected: the cost model's H200-like cycle by part (spd: busiest device and
+    when the table is projected: the cost model's H200 cycle by part (spd: busiest device and
     collectives; tp: compute and all-reduces; eagle3: drafter steps, target pass, drafter commit; ar and
     pipeline: one step)."""
     matplotlib.use("Agg")
@@ -110,7 +110,7 @@ def plot_breakdown(table: list[dict], png: Path) -> None:
                           if t["prefill_s"] is not None else [("prefill + loop (one timing)", t["wall_s"])]),
                lambda t: 1 / t["cycles"])]
     if proj:
-        panels.append(("projected, H200-like (cost model, not measured)", "us per cycle", 1e6,
+        panels.append(("projected, H200 (cost model, not measured)", "us per cycle", 1e6,
                        lambda t: list(t["proj"]["H200"]["parts_s"].items()), lambda t: 1.0))
     for ax, (title, unit, scale, parts, per) in zip(axes[0], panels):
         colors: dict[str, str] = {}

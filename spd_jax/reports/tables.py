@@ -80,7 +80,7 @@ def projector(method: str):
 
 def project(table: list[dict], cfg) -> None:
     """Add each table row's projected wall-clock speedup over `ar` and its projected cycle by part on the
-    H200-like and TPU-like profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
+    H200 and TPU v5e profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
     measured alpha, stage plan and PSM device (`costs.predict`: busiest device + collectives); tp and
     pipeline from `costs.predict` at n; eagle3 from `costs.predict_eagle3` at its measured tokens per round;
     ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
@@ -104,9 +104,9 @@ def results_markdown(table: list[dict], setup: dict) -> str:
              "per target pass). tok/s and the ratio to `ar` are measured in this run on this backend; on a "
              "CPU host the n stage devices share its cores, so the ratio is not a projection for real devices."
              + (" proj. H200 / proj. TPU: the cost model's projected wall-clock speedup over `ar` "
-                "(`spd_jax.pipeline.costs`, H200-NVLink-like and TPU-v5e-like profiles: published figures, not "
+                "(`spd_jax.pipeline.costs`, the H200 and TPU v5e profiles, calibrated on published figures: not "
                 "measurements; communication included; bf16) at the row's measured alpha and mean decode "
-                "context; spd: busiest device + the cycle's collectives; eagle3: one chain round on one device "
+                "context; spd: busiest device + the cycle's two all-gathers; eagle3: one chain round on one device "
                 "= k drafter steps + one target pass over k + 1 positions + the drafter's pass over the verified "
                 "rows; prefill excluded." if proj else ""), ""]
     heads = RESULTS_COLUMNS + ([f"proj. {p}" for p in PROFILES] if proj else [])
