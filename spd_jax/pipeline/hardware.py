@@ -3,17 +3,51 @@ that dominate batch-1 decoding on fast devices, and its collectives' latency by 
 
 A part (a program, or a fused group of kernels) costs the roofline of each of its layers,
 max(FLOPs / peak, bytes / (peak bandwidth x achievable fraction)), plus a fixed cost per decoder layer
-(`layer_s`: kernel launches and ramp-up, per layer of the model and of the PSM) and one launch
+(`layer_s`: kernel launches and ramp-up, per layer of the model and of a drafter) and one launch
 (`launch_s`). A collective over D devices costs its latency, `link_latency_s` plus `hop_latency_s` per
 ring step (an all-reduce 2 (D - 1) steps, an all-gather D - 1, a ppermute 1), plus the bytes each device
 receives over the achievable link bandwidth: a ring all-reduce 2 (D - 1) / D of the array, an all-gather
 (D - 1) packets, a ppermute one.
 
-Every constant of a profile names its source in the profile's docstring (`SOURCES`): a URL, or a
-repository path and the figure it reproduces; what no source gave is marked as assumed.
-`tests/test_calibration.py` checks that the profiles reproduce the published figures they were
-calibrated on, through the same formulas the projections use. This module holds numbers only: it must
-not run or compile anything.
+Sources of every constant (each profile's `assumes` repeats its own; `spd_jax.pipeline.calibration` and
+`tests/test_calibration.py` check the calibrated ones against the figures they reproduce):
+- [gpt-fast] https://github.com/pytorch-labs/gpt-fast README.md, "Tensor Parallelism": Llama-2-7B bf16,
+  batch 1, 8 x A100-80GB (330 W, hybrid cube mesh): 104.9 / 168.84 / 254.02 / 328.43 tok/s on 1 / 2 / 4 /
+  8 GPUs, run with ENABLE_INTRA_NODE_COMM=1 (torch's one-shot all-reduce) under torch.compile's CUDA
+  graphs; its note: "Empirically, seems like peak bandwidth is about 1700 GB/s" (0.83 of 2039).
+- [vLLM] https://github.com/gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, "Other
+  Benchmark Cases", BS=1: vLLM v0.11.0, Qwen3-8B bf16, one H100 SXM, mean TPOT 7.28 ms.
+- Fitted jointly to [gpt-fast]'s four times and [vLLM]'s (`calibration.figures`, 5 figures, 3 constants):
+  GPU_MEM_EFFICIENCY 0.83 (the achievable fraction of peak HBM bandwidth at batch 1), GPU_LAYER_S 50 us
+  (fixed per layer) and gpt-fast's one-shot all-reduce 4.5 us (A100_GPT_FAST only); gpt-fast's 1 / 2 / 4 /
+  8-GPU times within 2%, vLLM's within 0.2%. For comparison, [sglang] measures one-shot all-reduce kernels
+  at 3.7-5.9 us on 2-8 H100s.
+- [NCCL] https://github.com/NVIDIA/nccl src/graph/tuning.cc (baseLatencies, hwLatencies, nsteps): Ring /
+  LL over NVLink, 6.6 us per collective + 0.6 us per step, 2 (D - 1) steps per all-reduce and D - 1 per
+  all-gather: an all-reduce 7.8 us on 2 GPUs, 15.0 on 8 (NCCL_BASE_S, NCCL_NVLINK_HOP_S). XLA runs its GPU
+  collectives through NCCL. https://github.com/NVIDIA/nccl/issues/1259 measures ~6 us on 2 H100s inside
+  CUDA graphs.
+- [NCCL bw] https://github.com/NVIDIA/nccl/issues/1455: ring all-reduce bus bandwidth 365-370 GB/s on 8 x H100
+  SXM, "about 80% of 450GBps (NVLink)" (NVLINK_EFFICIENCY 0.8).
+- [sglang] https://github.com/sgl-project/sglang/pull/2904: custom one-shot all-reduce on H100, 3.7-5.9 us
+  at 512 B-4 kB over 2 / 4 / 8 GPUs (vLLM's 8.5-10.1 us), without CUDA graphs.
+- [datasheets] H100 SXM5: 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 GB/s both ways
+  (https://glennklockwood.com/garden/processors/h100, from NVIDIA's datasheet); H200 SXM: 4.8 TB/s HBM3e,
+  the same GH100 die (https://ai-hpc.github.io/ai-hardware-engineer-roadmap/, 8x-H200 "Hardware
+  Architecture"); A100 SXM4 80GB: 312 TFLOP/s bf16, 2.039 TB/s HBM2e, NVLink 300 + 300 GB/s
+  (https://glennklockwood.com/garden/processors/A100).
+- [scaling-book] https://github.com/jax-ml/scaling-book (https://jax-ml.github.io/scaling-book/): tpus.md,
+  TPU v5e 1.97e14 bf16 FLOP/s, 8.1e11 B/s HBM, ICI 4.5e10 B/s one way per link; v5p 4.59e14, 2.8e12, 9e10;
+  sharding.md, "A note on ICI latency": about 1 us per hop (ICI_HOP_S), and a 3-hop all-gather of 32 kB
+  shards on v5e measured "closer to 8us": 3 us of hops + 2.6 us of bytes leave ICI_BASE_S 2.5 us; a 4-chip
+  all-gather measured at 680 us against 560 us at full bandwidth (ICI_EFFICIENCY 0.82).
+- Assumed, no source found: GPU_LAUNCH_S 5 us and TPU_LAUNCH_S 3 us per program inside the on-device loop;
+  TPU_LAYER_S 20 us per layer (no published batch-1 TPU step found; XLA fuses a layer into fewer ops than a
+  CUDA-graph stack launches); the TPU profiles' HBM fraction (the GPUs' 0.83); the H200 and v5p profiles'
+  fixed costs (the H100's and the v5e's). `docs/projections.md` shows how the projections move with the
+  per-layer cost and the collective latency.
+
+This module holds numbers only: it must not run or compile anything.
 """
 
 from __future__ import annotations
@@ -97,73 +131,52 @@ class Hardware:
         return self.collective_s("all_gather", packet_bytes, n)
 
 
-# ---------------------------------------------------------------- the calibrated constants
+# ---------------------------------------------------------------- the constants (sources: the module docstring)
 
-# Two figures fit both, jointly (tests/test_calibration.py reproduces each through `costs.ar_step_s` and
-# `costs.tp_step_s`):
-#  - gpt-fast, Llama-2-7B bf16, batch 1, one A100-80GB: 104.9 tok/s (9.53 ms; pytorch-labs/gpt-fast
-#    README.md, "Tensor Parallelism" table), whose note puts the machine's empirical peak at "about
-#    1700 GB/s" of the datasheet's 2039 (0.83);
-#  - vLLM v0.11.0, Qwen3-8B bf16, batch 1 (--max-concurrency 1, ShareGPT), one H100 SXM: mean TPOT
-#    7.28 ms (gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, "Other Benchmark Cases",
-#    BS=1 baseline).
-# Weights read per token: 13.37 GB (Llama-2-7B) and 15.18 GB (Qwen3-8B); the two times then give the
-# fraction of peak bandwidth and the fixed cost per layer below (both serving stacks run CUDA graphs).
-GPU_MEM_EFFICIENCY = 0.83
-GPU_LAYER_S = 50e-6
-# NCCL's own latency model (NVIDIA/nccl src/graph/tuning.cc, baseLatencies and hwLatencies, Ring / LL
-# protocol over NVLink): 6.6 us per collective + 0.6 us per ring step; an all-reduce of [H] over 8 GPUs
-# 15.0 us, over 2 7.8 us. XLA runs its GPU collectives through NCCL.
-NCCL_BASE_S, NCCL_NVLINK_HOP_S = 6.6e-6, 0.6e-6
-# ring all-reduce bus bandwidth 365-370 GB/s of NVLink 4's 450 on 8 x H100 SXM (NVIDIA/nccl issue 1455)
-NVLINK_EFFICIENCY = 0.8
-GPU_LAUNCH_S = 5e-6  # assumed: one program (a fused group of kernels) inside the on-device loop
+GPU_MEM_EFFICIENCY = 0.83  # fitted: [gpt-fast] + [vLLM]
+GPU_LAYER_S = 50e-6  # fitted: [gpt-fast] + [vLLM]
+NCCL_BASE_S, NCCL_NVLINK_HOP_S = 6.6e-6, 0.6e-6  # [NCCL]
+NVLINK_EFFICIENCY = 0.8  # [NCCL bw]
+GPU_LAUNCH_S = 5e-6  # assumed
 
 H100_NVLINK = Hardware(
     "H100-SXM-NVLink", peak_flops_per_s=989e12, mem_bytes_per_s=3.35e12, link_latency_s=NCCL_BASE_S,
     link_bytes_per_s=450e9, launch_s=GPU_LAUNCH_S, layer_s=GPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
     link_efficiency=NVLINK_EFFICIENCY, hop_latency_s=NCCL_NVLINK_HOP_S, projection=True,
-    assumes="projection, not measured: NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 "
+    assumes="projection, not measured: NVIDIA H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 "
             "450 GB/s per direction); 83% of peak bandwidth at batch 1 and 50 us fixed per layer, fitted jointly to "
             "gpt-fast's Llama-2-7B on one A100 and vLLM's Qwen3-8B on one H100 (7.28 ms/token); collectives by "
             "NCCL's latency model (6.6 us + 0.6 us per ring step; 80% of NVLink, nccl issue 1455); 5 us per "
             "program assumed; bf16")
 H200_NVLINK = dataclasses.replace(
     H100_NVLINK, name="H200-SXM-NVLink", mem_bytes_per_s=4.8e12,
-    assumes="projection, not measured: NVIDIA H200 SXM datasheet (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 4 "
+    assumes="projection, not measured: NVIDIA H200 SXM (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 4 "
             "450 GB/s per direction); the H100 profile's calibrated fixed costs (83% of peak bandwidth, 50 us per "
             "layer) and NCCL's collective latencies (6.6 us + 0.6 us per ring step), assumed to carry over; bf16")
-# gpt-fast's tensor-parallel runs (ENABLE_INTRA_NODE_COMM=1 under CUDA graphs: torch's one-shot intra-node
-# all-reduce, not NCCL's ring): 8 x A100-80GB, power limited to 330 W, hybrid cube mesh; a calibration
-# profile, never a projection target
+# gpt-fast's machine, for the calibration only: its one-shot all-reduce (4.5 us, fitted), not NCCL's ring
 A100_GPT_FAST = Hardware(
     "A100-80GB (gpt-fast's machine)", peak_flops_per_s=312e12, mem_bytes_per_s=2.039e12, link_latency_s=4.5e-6,
     link_bytes_per_s=300e9, launch_s=GPU_LAUNCH_S, layer_s=GPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
     link_efficiency=NVLINK_EFFICIENCY, projection=True,
-    assumes="calibration only: NVIDIA A100 SXM4 80GB datasheet (312 TFLOP/s bf16, 2.039 TB/s HBM2e, NVLink 3 300 "
+    assumes="calibration only: NVIDIA A100 SXM4 80GB (312 TFLOP/s bf16, 2.039 TB/s HBM2e, NVLink 3 300 "
             "GB/s per direction); the GPU fixed costs (83%, 50 us per layer); gpt-fast's one-shot all-reduce under "
             "CUDA graphs 4.5 us at any device count, fitted with them to its TP curve (3.7-5.9 us for such one-shot "
             "kernels on H100: sgl-project/sglang pull 2904)")
-# ICI (jax-ml/scaling-book tpus.md, "interconnect figures": one-way per link 4.5e10 bytes/s on v5e, 9e10 on
-# v5p; sharding.md, "A note on ICI latency": about 1 us per hop; and its measured 3-hop all-gather of 32 kB
-# shards on v5e, "closer to 8us": 3 us of hops + 2.6 us of bytes at the achievable bandwidth below leave
-# 2.5 us per collective)
-ICI_BASE_S, ICI_HOP_S = 2.5e-6, 1e-6
-# achievable ICI: the same section's 4-chip all-gather measured at 680 us against 560 us at full bandwidth
-ICI_EFFICIENCY = 0.82
-TPU_LAYER_S = 20e-6  # assumed (no published batch-1 TPU figure found): XLA's fused ops in one on-device loop
+ICI_BASE_S, ICI_HOP_S = 2.5e-6, 1e-6  # [scaling-book]
+ICI_EFFICIENCY = 0.82  # [scaling-book]
+TPU_LAYER_S = 20e-6  # assumed
 TPU_LAUNCH_S = 3e-6  # assumed
 TPU_V5E_ICI = Hardware(
-    "TPU-v5e-ICI", peak_flops_per_s=197e12, mem_bytes_per_s=819e9, link_latency_s=ICI_BASE_S,
+    "TPU-v5e-ICI", peak_flops_per_s=197e12, mem_bytes_per_s=810e9, link_latency_s=ICI_BASE_S,
     link_bytes_per_s=45e9, launch_s=TPU_LAUNCH_S, layer_s=TPU_LAYER_S, mem_efficiency=GPU_MEM_EFFICIENCY,
     link_efficiency=ICI_EFFICIENCY, hop_latency_s=ICI_HOP_S, projection=True,
-    assumes="projection, not measured: Cloud TPU v5e (197 TFLOP/s bf16, 819 GB/s HBM2; ICI 45 GB/s one way per "
+    assumes="projection, not measured: TPU v5e (197 TFLOP/s bf16, 810 GB/s HBM2; ICI 45 GB/s one way per "
             "link, jax-ml/scaling-book); collectives 2.5 us + 1 us per hop (scaling-book's ICI latency note and its "
             "measured 8 us 3-hop all-gather), 82% of ICI; 83% of peak HBM (the GPU calibration's, assumed) and 20 "
             "us per layer (assumed: no published batch-1 TPU figure); bf16")
 TPU_V5P_ICI = dataclasses.replace(
-    TPU_V5E_ICI, name="TPU-v5p-ICI", peak_flops_per_s=459e12, mem_bytes_per_s=2.765e12, link_bytes_per_s=90e9,
-    assumes="projection, not measured: Cloud TPU v5p (459 TFLOP/s bf16, 2.765 TB/s HBM2e; ICI 90 GB/s one way per "
+    TPU_V5E_ICI, name="TPU-v5p-ICI", peak_flops_per_s=459e12, mem_bytes_per_s=2.8e12, link_bytes_per_s=90e9,
+    assumes="projection, not measured: TPU v5p (459 TFLOP/s bf16, 2.8 TB/s HBM2e; ICI 90 GB/s one way per "
             "link, jax-ml/scaling-book); latencies, efficiencies and the per-layer cost as the v5e profile's "
             "(assumed); bf16")
 
