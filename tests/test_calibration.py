@@ -53,4 +53,5 @@ def test_the_projections_page_is_current():
     """docs/projections.md is what `python -m bench.projections --out docs/projections.md` writes now: a
     changed constant or formula regenerates it (never hand-edited)."""
     page = Path(__file__).resolve().parents[1] / "docs" / "projections.md"
-    assert page.read_text() == projections_markdown(), "regenerate: python -m bench.projections --out docs/projections.md"
+    assert page.read_text() == projections_markdown(), \
+        "stale: regenerate it with python -m bench.projections --out docs/projections.md"

@@ -43,6 +43,7 @@ def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: H
     out.append(dict(what="vLLM Qwen3-8B, 1 x H100, batch 1, ms/token", unit="ms", published=1e3 * VLLM_QWEN3_8B_STEP_S,
                     model=1e3 * costs.ar_step_s(ModelConfig.named("qwen3-8b"), h100, VLLM_CONTEXT),
                     source="gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, BS=1"))
-    out.append(dict(what="TPU v5e all-gather of 32 kB shards over 4 chips, us", unit="us", published=1e6 * ICI_ALL_GATHER_S,
-                    model=1e6 * v5e.all_gather_s(32e3, 4), source="jax-ml/scaling-book sharding.md, ICI latency"))
+    out.append(dict(what="TPU v5e all-gather of 32 kB shards over 4 chips, us", unit="us",
+                    published=1e6 * ICI_ALL_GATHER_S, model=1e6 * v5e.all_gather_s(32e3, 4),
+                    source="jax-ml/scaling-book sharding.md, ICI latency"))
     return out
