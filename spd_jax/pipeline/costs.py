@@ -12,16 +12,16 @@ engine runs (`spd_jax.decode.vocab`: every device computes 1/D of each head's ro
 choices come from each shard's max logit and its smallest id), and "last", both heads whole on the last
 stage (the engine before vocabulary-parallel heads).
 
-Collectives per cycle (`collectives`), the fused cycle of the engine: two all-gathers over the D devices
-of the `stage` axis. (a) Each device's packet of [m + 2, H] values in the model dtype: row 0 its
-stage's output hidden state (the next stage takes its predecessor's row: the pipeline's hop; the last
-stage's row is the verified token's hidden state), rows 1..m the anchor states its stage makes (zeros
-otherwise), row m + 1 the drafter's hidden state on the drafter's device; without a drafter (the plain
-pipeline) [1, H]. (b) Each device's [2, 2] int32 of choices (per head, its shard's max logit and its
-smallest id at that max; [1, 2] without a drafter, and with the heads on the last stage that stage's
-two ids). Not counted: the few scalar reductions sampling adds. `tp` keeps its own collectives
-(`tp_step_s`: an all-reduce of [H] after every split attention-out or MLP-down projection, one for the
-vocabulary-split embedding, one for the argmax over the vocabulary shards), as its placement
+Collectives per cycle (`collectives`), as the engine (`spd_jax.decode.spd`) runs a greedy cycle, one after
+another over the D devices of the `stage` axis: the ppermute of each stage's output [H] to the next
+stage; one all-gather of each device's packet of [m + 2, H] values in the model dtype (its stage's output,
+the last stage's being the verified token's hidden state; rows 1..m the anchor states its stage makes,
+zeros otherwise; row m + 1 the drafter's hidden state on the drafter's device), [1, H] without a drafter
+(the plain pipeline); and one all-gather of each device's [2, 2] int32 choices (per head, its shard's
+max logit and its smallest id at that max; [1, 2] without a drafter, and with the heads whole on the last
+stage that stage's two ids). Not counted: the few scalar reductions sampling adds. `tp` keeps its own
+collectives (`tp_step_s`: an all-reduce of [H] after every split attention-out or MLP-down projection,
+one for the vocabulary-split embedding, one for the argmax over the vocabulary shards), as its placement
 (`sharding.TP_RULES`, heads split only where the device count divides them) runs them.
 
 Every part and collective is costed by its `spd_jax.pipeline.hardware.Hardware` profile: the roofline at
@@ -137,15 +137,16 @@ def check_psm_device(n: int, psm_device: int | None) -> int:
 
 
 def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float]]:
-    """The collectives of one cycle as (kind, bytes per device), one after the other: the all-gather of
-    the hidden-state packets (`CycleCosts.packet_bytes`) and the all-gather of the choices (int32: [2, 2]
-    per device with a drafter and sharded heads, [1, 2] without a drafter or with the heads on the last
-    stage). None on one device."""
+    """The collectives of one cycle as (kind, bytes per device), one after the other: the ppermute of the
+    stage output [H], the all-gather of the hidden-state packets (`CycleCosts.packet_bytes`) and the
+    all-gather of the choices (int32: [2, 2] per device with a drafter and sharded heads, [1, 2] without
+    a drafter or with the heads on the last stage). None on one device."""
     _check_heads(heads)
     if cc.devices == 1:
         return []
     choice_rows = 2 if cc.drafter and heads == "sharded" else 1
-    return [("all_gather", cc.packet_bytes), ("all_gather", choice_rows * 2 * SCALAR_BYTES)]
+    return [("ppermute", cc.hidden_bytes), ("all_gather", cc.packet_bytes),
+            ("all_gather", choice_rows * 2 * SCALAR_BYTES)]
 
 
 def comm_s(cc: CycleCosts, hw: Hardware, heads: str = "sharded") -> float:
@@ -241,8 +242,8 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
     - ar: one token through every layer + embedding + head on one device, one program (`ar_step_s`);
     - tp: n devices as `sharding.TP_RULES` places the model, with its all-reduces (`tp_step_s`);
     - pipeline: the SPD engine without a drafter, one token in flight: n cycles per token, each the
-      busiest device (its stage and the verification head per `heads`) + two all-gathers ([1, H] and the
-      choices);
+      busiest device (its stage and the verification head per `heads`) + its collectives (the ppermute,
+      an all-gather of [1, H] and one of the choices);
     - spd: a cycle = the busiest device (`device_busy`, the PSM body on `psm_device`) + the cycle's
       collectives (`comm_s`); with the PSM on its own device (psm_device = n) spd uses n + 1 devices.
     Speedups: spd = alpha * t_ar / t_cycle (alpha tokens per cycle; = S0 * t_ideal / t_cycle with
@@ -270,7 +271,7 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
         speedup_spd=alpha * t_ar / t_cycle, speedup_tp=t_ar / tp["step_s"], speedup_pipeline=t_ar / t_pipe,
         includes="per part: roofline max(FLOPs/peak, bytes/achievable bandwidth) of each layer + a fixed cost per "
                  "decoder layer + one launch; communication included (per collective: its latency by kind and "
-                 "device count + bytes/achievable link bandwidth); spd: busiest device + the cycle's two "
+                 "device count + bytes/achievable link bandwidth); spd: busiest device + the cycle's ppermute and two "
                  "all-gathers (greedy choices); tp: its placement's compute + all-reduces; pipeline: n cycles of "
                  "the engine without a drafter; excluded: prefill, host transfers, sampling's extra scalar "
                  "reductions, rollback refills (in alpha)")
@@ -408,7 +409,7 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
     peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
     coll = collectives(cc, "sharded")
-    moved = sum((cc.devices - 1) * b for _, b in coll)  # all-gathers: each device receives the D - 1 others' packets
+    moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b in coll)  # each device receives
     latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0
     pred = x * np.where(stage, 1.0 / (bw * stage_eff), 1.0 / bw) + launch_s
     resid_ms = 1e3 * (y - pred)

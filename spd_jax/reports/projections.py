@@ -161,8 +161,8 @@ def projections_markdown() -> str:
                           "link GB/s", "achieved", "collective latency us", "all-reduce at 2 / 4 / 8, us"],
                          [_constants(hw) for hw in (H100_NVLINK, H200_NVLINK, TPU_V5E_ICI, TPU_V5P_ICI,
                                                     A100_GPT_FAST)])
-    lines += ["", "An SPD cycle runs two collectives, all-gathers of each device's [m + 2, H] hidden-state packet and "
-              "[2, 2] int32 choices; `tp` an all-reduce of [H] after every attention-out and MLP-down projection "
+    lines += ["", "An SPD cycle runs three collectives: the ppermute of each stage's output [H] and all-gathers of "
+              "each device's [m + 2, H] hidden-state packet and [2, 2] int32 choices; `tp` an all-reduce of [H] after every attention-out and MLP-down projection "
               "its placement splits, one for the embedding and one for the argmax. `tp` splits only what "
               "`sharding.TP_RULES` splits: query and KV heads where n divides them (SmolLM2's 9 heads stay whole on "
               "2, 4 and 8 devices), never a Gated DeltaNet mixer (24 of Qwen3.5-4B's 32 layers).", "",

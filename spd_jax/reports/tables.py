@@ -106,9 +106,9 @@ def results_markdown(table: list[dict], setup: dict) -> str:
              + (" proj. H200 / proj. TPU: the cost model's projected wall-clock speedup over `ar` "
                 "(`spd_jax.pipeline.costs`, the H200 and TPU v5e profiles, calibrated on published figures: not "
                 "measurements; communication included; bf16) at the row's measured alpha and mean decode "
-                "context; spd: busiest device + the cycle's two all-gathers; eagle3: one chain round on one device "
-                "= k drafter steps + one target pass over k + 1 positions + the drafter's pass over the verified "
-                "rows; prefill excluded." if proj else ""), ""]
+                "context; spd: busiest device + the cycle's ppermute and two all-gathers; eagle3: one chain round "
+                "on one device = k drafter steps + one target pass over k + 1 positions + the drafter's pass over "
+                "the verified rows; prefill excluded." if proj else ""), ""]
     heads = RESULTS_COLUMNS + ([f"proj. {p}" for p in PROFILES] if proj else [])
     rows = [[CELLS[c](t) for c in RESULTS_COLUMNS]
             + [f"{t['proj'][p]['speedup']:.2f}x" if "proj" in t else "-" for p in PROFILES if proj] for t in table]
