@@ -130,7 +130,7 @@ REFERENCE = CONFIGS["ar"][0]
 def measure(args, prompt_file: Path) -> list[dict]:
     # no PSM ships for n = 2: a random one unless --spec gives one (generate asks for it explicitly)
     spec = ["--spec", args.spec] if args.spec and not args.random_psm else ["--random-psm"]
-    runs = [(c, ROOT, c[0]) for name, c in CONFIGS.items() if name == "ar" or name in args.configs]
+    runs = [(c, ROOT, c[0]) for name, c in CONFIGS.items() if c[0] == REFERENCE or name in args.configs]
     if args.against:  # the same configurations on the other checkout, each right after this one's
         other = Path(args.against).resolve()
         runs = [r for c, root, label in runs for r in ((c, root, label), (c, other, f"{label} [{args.against_label}]"))]
