@@ -177,12 +177,13 @@ def predictions(args, prof: dict, link: dict, alpha: float) -> dict:
 def table(rows: list[dict], pred: dict, setup: dict) -> str:
     ar2 = {r["checkout"]: r["tokens_per_s"] for r in rows if r["base"] == REFERENCE}  # each checkout's own
     lines = ["# Wall-clock, everything counted", "", "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()), "",
-             "| configuration | processes x cores | tokens | alpha | measured tok/s | vs ar 2 cores | predicted tok/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| configuration | processes x cores | tokens | alpha | ms per cycle | measured tok/s | vs ar 2 cores "
+             "| predicted tok/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pr = pred.get(r["config"])
         lines.append(f"| {r['config']} | {r['processes']} x {r['cores'] if r['processes'] == 1 else 1} | {r['tokens']} | "
-                     f"{r['alpha']:.3f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / ar2[r['checkout']]:.2f}x | "
+                     f"{r['alpha']:.3f} | {1e3 * r['alpha'] / r['tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / ar2[r['checkout']]:.2f}x | "
                      f"{f'{pr:.1f}' if pr else '-'} |")
     lines += ["", "What each measurement includes (tokens / the wall time of `generate`; the JSON has each row's):", ""]
     seen = set()
