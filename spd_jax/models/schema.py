@@ -59,6 +59,13 @@ def _gated_q(part: int, cfg: ModelConfig) -> Transform:
     return Transform(f"gated_q[{part}]", lambda a: a.reshape(nq, 2, d, -1)[:, part].reshape(nq * d, -1).T, None)
 
 
+# A leaf's initial values, as transformers initialises the family's modules: "normal" (std 0.02), "norm"
+# (the identity scale of this model's RMSNorm: 1, or 0 where it scales by 1 + w), "ones", "zeros", "a_log"
+# (Gated DeltaNet's log decay rates, log U(0.01, 16) per value head).
+INITS = ("normal", "norm", "ones", "zeros", "a_log")
+A_LOG_RANGE = (0.01, 16.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     shape: tuple[int, ...]  # ours, per layer (no "layers" axis)
@@ -66,10 +73,12 @@ class Leaf:
     hf: str  # HF tensor name (relative to "<prefix>layers.{i}." for layer leaves)
     hf_shape: tuple[int, ...]
     transform: Transform
-    init: str  # "normal" (std 0.02), "norm" (the identity scale of this model's RMSNorm), "zeros"
+    init: str  # one of INITS
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+        assert self.init in INITS, self.init
+
 
 
 def _linear_w(out_dim: int, in_dim: int, hf: str, axes: tuple[str | None, str | None]) -> Leaf:
@@ -129,9 +138,10 @@ def linear_schema(cfg: ModelConfig) -> dict[str, Leaf]:
             "w_z": _linear_w(lc.value_size, H, "linear_attn.in_proj_z.weight", ("embed", "v_heads")),
             "w_b": _linear_w(nv, H, "linear_attn.in_proj_b.weight", ("embed", "v_heads")),
             "w_a": _linear_w(nv, H, "linear_attn.in_proj_a.weight", ("embed", "v_heads")),
-            "dt_bias": _vector(nv, "linear_attn.dt_bias", "v_heads", "zeros"),
-            "A_log": _vector(nv, "linear_attn.A_log", "v_heads", "zeros"),
-            "norm_w": _vector(lc.v_dim, "linear_attn.norm.weight", "v_dim", "norm"),
+            "dt_bias": _vector(nv, "linear_attn.dt_bias", "v_heads", "ones"),
+            "A_log": _vector(nv, "linear_attn.A_log", "v_heads", "a_log"),
+            # the gated norm scales by its plain weight in every family (no 1 + w)
+            "norm_w": _vector(lc.v_dim, "linear_attn.norm.weight", "v_dim", "ones"),
             "w_out": _linear_w(H, lc.value_size, "linear_attn.out_proj.weight", ("v_heads", "embed"))}
 
 
@@ -200,8 +210,10 @@ def initializer(leaf: Leaf, cfg: ModelConfig) -> Callable:
     """(key, shape, dtype) -> array, following `leaf.init`."""
     if leaf.init == "norm":  # w such that the norm scales by 1: w (Llama) or 1 + w (Qwen3.5)
         return lambda key, shape, dtype=jnp.float32: jnp.full(shape, 1.0 - cfg.norm_offset, dtype)
-    if leaf.init == "zeros":
-        return lambda key, shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+    if leaf.init in ("ones", "zeros"):
+        return lambda key, shape, dtype=jnp.float32: jnp.full(shape, float(leaf.init == "ones"), dtype)
+    if leaf.init == "a_log":
+        return lambda key, shape, dtype=jnp.float32: jnp.log(jax.random.uniform(key, shape, dtype, *A_LOG_RANGE))
     return lambda key, shape, dtype=jnp.float32: 0.02 * jax.random.normal(key, shape, dtype)
 
 
