@@ -23,8 +23,8 @@ _FAMILIES = {
     # Qwen3.5 hybrid: Gated DeltaNet + gated full attention, (1 + w) norms, partial RoPE.
     "qwen3_5_text": dict(qkv_bias=False, qk_norm=True),
 }
-_WRAPPED = {"qwen3_5": "qwen3_5_text"}  # VLM configs whose text model sits under `text_config`
-SUPPORTED_MODEL_TYPES = tuple(sorted([*_FAMILIES, *_WRAPPED]))
+WRAPPED = {"qwen3_5": "qwen3_5_text"}  # VLM configs whose text model sits under `text_config`
+SUPPORTED_MODEL_TYPES = tuple(sorted([*_FAMILIES, *WRAPPED]))
 ATTENTION, LINEAR = "attention", "linear"  # layer kinds
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -130,13 +130,13 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         mt = d.get("model_type")
-        if mt in _WRAPPED:
+        if mt in WRAPPED:
             text = dict(d.get("text_config") or {})
             if not text:
                 raise ConfigError(f"model_type {mt!r} config has no text_config")
             if "tie_word_embeddings" in d:  # the wrapper's flag is the one transformers honours
                 text["tie_word_embeddings"] = d["tie_word_embeddings"]
-            d, mt = {**text, "model_type": _WRAPPED[mt]}, _WRAPPED[mt]
+            d, mt = {**text, "model_type": WRAPPED[mt]}, WRAPPED[mt]
         if mt not in _FAMILIES:
             raise ConfigError(
                 f"unknown model_type {mt!r}: spd-jax supports {', '.join(SUPPORTED_MODEL_TYPES)}. "
@@ -205,13 +205,7 @@ class ModelConfig:
     @classmethod
     def named(cls, name: str) -> "ModelConfig":
         """A config from configs/models/<name>.yaml (e.g. "qwen3.5-4b", "tiny-qwen3_5")."""
-        path = CONFIG_DIR / f"{name}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise FileNotFoundError(f"no model config named {name!r} in {CONFIG_DIR} (known: {', '.join(known)})")
-        import yaml
-
-        return cls.from_hf_dict(yaml.safe_load(path.read_text()))
+        return cls.from_hf_dict(named_hf_dict(name))
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -229,6 +223,22 @@ class ModelConfig:
                 raise
             raise ConfigError(f"{path} has no {e.args[0]!r}, which a {d.get('model_type', '?')} config needs: the "
                               "file is incomplete; copy it again from the checkpoint's source") from None
+
+
+def named_config_names() -> list[str]:
+    """The configs under configs/models, by name."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def named_hf_dict(name: str) -> dict[str, Any]:
+    """The HF config fields of configs/models/<name>.yaml, as written there."""
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no model config named {name!r} in {CONFIG_DIR} "
+                                f"(known: {', '.join(named_config_names())})")
+    import yaml
+
+    return yaml.safe_load(path.read_text())
 
 
 def _rope_from_hf(d: dict[str, Any], allow_partial: bool = False) -> tuple[RopeConfig, float]:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Parts of multimodal checkpoints that are not the text decoder: skipped with a log line.
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
-_VLM_PREFIX = "model.language_model."
+VLM_PREFIX = "model.language_model."
 
 
 class CheckpointError(ValueError):
@@ -75,6 +75,23 @@ def _safetensors_files(ckpt: Path) -> dict[str, Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}")
 
 
+def expected_tensors(cfg: ModelConfig, prefix: str = "model.") -> dict[str, Leaf]:
+    """Every HF tensor a checkpoint of cfg holds (text weights under `prefix`), in the order transformers
+    saves them (embedding, layers, final norm, head) -> its schema leaf. What the reader requires and
+    `convert.random` writes."""
+    g = schema.global_schema(cfg, prefix)
+    out = {g["embed"].hf: g["embed"]}
+    layers = {kind: schema.layer_schema(cfg, kind) for kind in schema.layer_kinds(cfg)}
+    for i, kind in enumerate(cfg.layer_types):
+        out |= {layer_tensor(prefix, i, leaf): leaf for leaf in layers[kind].values()}
+    return out | {leaf.hf: leaf for key, leaf in g.items() if key != "embed"}
+
+
+def layer_tensor(prefix: str, layer: int, leaf: Leaf) -> str:
+    """The HF name of a layer leaf's tensor in layer `layer`."""
+    return f"{prefix}layers.{layer}.{leaf.hf}"
+
+
 class CheckpointReader:
     """An opened, validated checkpoint: config, schema and slice reads (nothing is read until asked)."""
 
@@ -86,17 +103,14 @@ class CheckpointReader:
         self.path = ckpt
         self.cfg = cfg = ModelConfig.from_json(ckpt / "config.json")
         self.files = files = _safetensors_files(ckpt)
-        self.prefix = prefix = _VLM_PREFIX if any(n.startswith(_VLM_PREFIX) for n in files) else "model."
+        self.prefix = prefix = VLM_PREFIX if any(n.startswith(VLM_PREFIX) for n in files) else "model."
         skipped = [n for n in files if n.startswith(_SKIPPED_PREFIXES)]
         if skipped:
             log.info("skipping %d non-text tensors (%s)", len(skipped),
                      ", ".join(sorted({p for p in _SKIPPED_PREFIXES for n in skipped if n.startswith(p)})))
         self.globals = schema.global_schema(cfg, prefix)
         self.layers = {kind: schema.layer_schema(cfg, kind) for kind in schema.layer_kinds(cfg)}
-        expected = {leaf.hf: leaf.hf_shape for leaf in self.globals.values()}
-        for i, kind in enumerate(cfg.layer_types):
-            for leaf in self.layers[kind].values():
-                expected[self.layer_name(i, leaf)] = leaf.hf_shape
+        expected = {name: leaf.hf_shape for name, leaf in expected_tensors(cfg, prefix).items()}
         allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
 
         self._np = {f: _open(f, "numpy") for f in set(files.values())}
@@ -122,7 +136,7 @@ class CheckpointReader:
                                       + (f", linear={cfg.linear}" if cfg.linear else "") + ")")
 
     def layer_name(self, layer: int, leaf: Leaf) -> str:
-        return f"{self.prefix}layers.{layer}.{leaf.hf}"
+        return layer_tensor(self.prefix, layer, leaf)
 
     def _slice(self, name: str, hf_index: tuple) -> np.ndarray:
         f = self.files[name]
