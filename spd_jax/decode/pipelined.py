@@ -4,6 +4,7 @@ caches on the `stage` mesh, pick the drafter, compile once per shape bucket, run
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -144,6 +145,61 @@ def _no_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> E
 DRAFTERS: dict[str, Callable[..., EngineDraft]] = {"psm": _psm_draft, "none": _no_draft, "oracle": _oracle_draft}
 
 
+def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
+    """The positions each cache of the engine holds for a call: + n + 1, for the PSM recomputes a block of
+    n + 1 rows that may reach past the last generated position; a multiple of the cache bucket."""
+    return ar.round_up(max(prompt_len + max_new_tokens + n + 1, ar.round_up(prompt_len, ar.PROMPT_BUCKET)),
+                       ar.CACHE_BUCKET)
+
+
+class Placed(NamedTuple):
+    """Everything the engine's program reads, on the stage mesh: per-stage stacks (leading axis the devices,
+    split over `stage`) and replicated values."""
+
+    stage_w: dict  # {kind: [devices, max layers of that kind in a stage, ...]}
+    prog: dict  # the stages' slot tables [devices, J]
+    shared: dict  # embedding, final norm, LM head: replicated
+    dparams: Any  # the drafter's weights (`EngineDraft.place`)
+    caches: Any  # the stages' caches [devices, ...]
+    dstate: Any  # the drafter's state, one copy per device [devices, ...]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "cache_len", "dtype", "drafter", "sharding"))
+def _new_state(*, cfg, layout: stages.StageLayout, cache_len: int, dtype, drafter, sharding):
+    """Zeroed stage caches and the drafter's state, one copy per device ([devices, ...] each), made on the
+    devices that hold them (each its own block)."""
+    caches = stages.init_stage_caches(cfg, layout, 1, cache_len, ring=layout.plan.n, dtype=dtype)
+    dstate = jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)), drafter.init((), cache_len, dtype))
+    return jax.lax.with_sharding_constraint((caches, dstate), sharding)
+
+
+def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, prompt_len: int,
+                 cache_len: int) -> Placed:
+    """Place what the engine reads for one call. The stage weights, programs and shared weights are kept in
+    model.runtime per layout (one placement at a time); the caches and the drafter's state are new, each
+    device making only its own block (nothing of the whole [devices, ...] stack is built in one place)."""
+    cfg = model.config
+    placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(cfg).items()))
+    rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
+    key = ("stage_weights", layout)
+    if key not in model.runtime:
+        # one placement at a time: stage weights are a copy of the layers (and a placed PSM may share
+        # the placed head, `place_psm`)
+        for old in [k for k in model.runtime if k[0] in ("stage_weights", "psm_on_mesh")]:
+            del model.runtime[old]
+        if model.layers_loaded:
+            stage_w = placement.put(stages.stack_stage_weights(model.params["layers"], cfg, layout),
+                                    stages.stage_weight_axes(cfg, layout))
+        else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
+            stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
+        model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
+                              put({k: v for k, v in model.params.items() if k != "layers"}, rep))
+    stage_w, prog, shared = model.runtime[key]
+    caches, dstate = _new_state(cfg=cfg, layout=layout, cache_len=cache_len, dtype=jnp.dtype(model.dtype),
+                                drafter=draft.drafter, sharding=st)
+    return Placed(stage_w, prog, shared, draft.place(prompt_len, cache_len, layout, shared, rep), caches, dstate)
+
+
 def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
                        n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str = "psm",
                        oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
@@ -161,30 +217,9 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     P_ = int(prompt.size)
     p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
-    # + n + 1: the PSM recomputes a block of n + 1 rows that may reach past the last generated position
-    cache_len = ar.round_up(max(P_ + max_new_tokens + plan.n + 1, p_pad), ar.CACHE_BUCKET)
-    placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(cfg).items()))
-    rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
-
-    key = ("stage_weights", layout)
-    if key not in model.runtime:
-        # one placement at a time: stage weights are a copy of the layers (and a placed PSM may share
-        # the placed head, `place_psm`)
-        for old in [k for k in model.runtime if k[0] in ("stage_weights", "psm_on_mesh")]:
-            del model.runtime[old]
-        if model.layers_loaded:
-            stage_w = placement.put(stages.stack_stage_weights(model.params["layers"], cfg, layout),
-                                    stages.stage_weight_axes(cfg, layout))
-        else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
-            stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
-        model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
-                              put({k: v for k, v in model.params.items() if k != "layers"}, rep))
-    stage_w, prog, shared = model.runtime[key]
-    caches = put(stages.init_stage_caches(cfg, layout, 1, cache_len, ring=plan.n, dtype=model.dtype), st)
-    # one copy of the drafter's state per device (used on the drafter's device)
-    dstate = put(jax.tree.map(lambda t: jnp.broadcast_to(t, (layout.devices, *t.shape)),
-                              draft.drafter.init((), cache_len, model.dtype)), st)
-    dparams = draft.place(P_, cache_len, layout, shared, rep)
+    cache_len = engine_cache_len(P_, max_new_tokens, plan.n)
+    stage_w, prog, shared, dparams, caches, dstate = place_engine(model, layout, draft, mesh, P_, cache_len)
+    rep = NamedSharding(mesh, logical_spec((), STAGE_RULES))
 
     prompt_arr = np.zeros((1, p_pad), np.int32)
     prompt_arr[0, :P_] = prompt
