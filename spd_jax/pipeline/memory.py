@@ -1,0 +1,189 @@
+"""Bytes per device of each method's placement, from the config alone (no arrays): what `spd`, `tp`, `ar`
+and a PSM training step hold on each device once placed, by part, as the code places them today.
+
+- `spd` (`decode.pipelined.place_engine`): every device holds the same shapes (one SPMD program): its
+  stage's layers in per-kind stacks padded to the most layers of that kind in any stage; the embedding,
+  final norm and LM head (`heads="replicated"`, today: each device reads its vocabulary shard's rows from a
+  whole copy; `heads="rows"`: what it would hold were they split by vocabulary rows, ceil(V / D) each); the
+  PSM's weights, replicated (its head is the target's placed copy without a draft vocabulary); the stage
+  caches: KV [max attention layers, 1, Nkv, S, D] x 2 in the model dtype, Gated DeltaNet's conv inputs
+  [max linear layers, n, 1, K-1, C] in the model dtype and recurrent states [max linear layers, n, 1, Hv,
+  Dk, Dv] in float32 (a ring of n saved states, for rollback); the PSM's KV cache [Ls, 1, Nkv, S, D] x 2.
+- `tp` (`methods.tp_runtime`): each leaf's shard under `TP_RULES` (Gated DeltaNet mixers and KV heads
+  that n does not divide stay whole), plus the per-layer decode copy of the layers (`decoder.decode_layers`:
+  the layers twice); caches split like the KV heads, the Gated DeltaNet states (ring 1) whole.
+- `ar`: the whole model and its per-layer decode copy, whole caches (ring 1).
+- training (`train.step`): the frozen target in the compute dtype split over `model` (`TRAIN_RULES`), the
+  PSM's trained weights with their gradient and AdamW's two moments in float32, replicated, its frozen head
+  split over `model`; activations are not counted.
+
+Nothing transient is counted (a load's reads, the random PSM's float32 init, XLA's temporaries); on a CPU
+host all devices share the host's memory, so a process of D host devices holds D times a device's bytes.
+This module computes numbers only: it must not build arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from spd_jax.config import ATTENTION, LINEAR, ModelConfig
+from spd_jax.models import schema
+from spd_jax.pipeline.costs import default_plan
+from spd_jax.pipeline.partition import StagePlan
+from spd_jax.sharding import MODEL, TP_RULES, TRAIN_RULES, logical_spec
+
+if TYPE_CHECKING:
+    from spd_jax.drafters.psm import PSMConfig
+
+GiB = 2**30
+# one chip's memory: what a device's total is held against
+DEVICE_MEMORY = {"TPU v5e": 16 * GiB, "H100": 80 * GiB}
+HEADS = ("replicated", "rows")  # the embedding and heads on every device: a whole copy (today), or one row shard
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBytes:
+    """What one device holds, in bytes, by part."""
+
+    layers: int  # its layers' weights (a stage's stacks; a tensor-parallel shard of every layer, twice)
+    heads: int  # embedding, final norm, LM head
+    psm: int  # the PSM's weights (trained ones with their gradient and optimiser state in training)
+    kv: int  # attention KV cache
+    linear: int  # Gated DeltaNet conv inputs and recurrent states (the SPD ring of n of each)
+    psm_cache: int  # the PSM's KV cache
+
+    @property
+    def weights(self) -> int:
+        return self.layers + self.heads + self.psm
+
+    @property
+    def caches(self) -> int:
+        return self.kv + self.linear + self.psm_cache
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.caches
+
+
+def _layer_params(cfg: ModelConfig, kind: str) -> int:
+    return schema.param_count(schema.layer_schema(cfg, kind))
+
+
+def _kv_bytes(cfg: ModelConfig, layers: int, cache_len: int, cache_bytes: int, kv_split: int = 1) -> int:
+    """K and V of `layers` attention layers, batch 1, [Nkv / kv_split, S, D] each."""
+    return 2 * layers * (cfg.num_kv_heads // kv_split) * cache_len * cfg.head_dim * cache_bytes
+
+
+def _linear_bytes(cfg: ModelConfig, layers: int, ring: int, cache_bytes: int) -> int:
+    """Gated DeltaNet conv inputs [K-1, C] (cache dtype) and recurrent state [Hv, Dk, Dv] (float32), `ring` each."""
+    lc = cfg.linear
+    if lc is None or not layers:
+        return 0
+    return layers * ring * ((lc.conv_kernel - 1) * lc.conv_dim * cache_bytes + lc.num_v_heads * lc.k_dim * lc.v_dim * 4)
+
+
+def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int:
+    """Embedding, final norm and (untied) LM head, each matrix's ceil(V / rows_of) rows."""
+    g = schema.global_schema(cfg)
+    rows = -(-cfg.vocab_size // rows_of)
+    return sum((rows * leaf.shape[1] if leaf.axes[0] == "vocab" else int(np.prod(leaf.shape))) * param_bytes
+               for leaf in g.values())
+
+
+def psm_params(cfg: ModelConfig, spec: "PSMConfig", with_head: bool = False) -> int:
+    """The PSM's weights: projections sum_a (a + 1) H x H, the anchor gains, Ls attention layers of the target's
+    kind, and (with_head, or with a draft vocabulary) its head [V', H]."""
+    H, m = cfg.hidden_size, spec.m
+    p = H * H * m * (m + 1) // 2 + (m * H if spec.anchor_norm else 0) + spec.num_layers * _layer_params(cfg, ATTENTION)
+    return p + ((spec.draft_vocab or cfg.vocab_size) * H if with_head or spec.draft_vocab else 0)
+
+
+def random_psm(cfg: ModelConfig, plan: StagePlan, num_layers: int = 2) -> "PSMConfig":
+    """The random PSM `spd` runs without a trained one (the drafter registry's `random_config`)."""
+    from spd_jax.drafters.psm import PSMConfig  # Flax: only when a PSM is counted
+
+    return PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers)
+
+
+def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int = 2, plan: StagePlan | None = None,
+                     psm: "PSMConfig | None" = None, heads: str = "replicated", own_device: bool = False) -> DeviceBytes:
+    """One device of `spd` at n stages (plan: default `costs.default_plan`) with cache_len positions per cache,
+    weights and caches in the model dtype (`param_bytes`); psm: default the random one; own_device: the PSM on
+    a device of its own (n + 1 devices, each with the same shapes)."""
+    if heads not in HEADS:
+        raise ValueError(f"heads must be one of {HEADS}, got {heads!r}")
+    plan = default_plan(cfg, n) if plan is None else plan
+    psm = random_psm(cfg, plan) if psm is None else psm
+    most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in (ATTENTION, LINEAR)}
+    layers = sum(most[k] * _layer_params(cfg, k) for k in schema.layer_kinds(cfg)) * param_bytes
+    psm_w = psm_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
+    devices = n + own_device
+    return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if heads == "rows" else 1), psm_w,
+                       _kv_bytes(cfg, most[ATTENTION], cache_len, param_bytes),
+                       _linear_bytes(cfg, most[LINEAR], n, param_bytes),
+                       _kv_bytes(cfg, psm.num_layers, cache_len, param_bytes))
+
+
+def _sharded(shape: tuple[int, ...], axes: tuple, rules, mesh: AbstractMesh, units: dict) -> int:
+    """Elements of one device's block of an array of `shape` with logical `axes` under rules on mesh."""
+    spec = logical_spec(axes, rules, mesh, units)
+    return math.prod(-(-d // (mesh.shape[a] if a else 1)) for d, a in zip(shape, (*spec, *(None,) * len(shape))))
+
+
+def _layers_sharded(cfg: ModelConfig, rules, mesh: AbstractMesh) -> tuple[int, int]:
+    """(layer weights, embedding/norm/head) elements on one device under rules."""
+    units = schema.axis_units(cfg)
+    g = schema.global_schema(cfg)
+    heads = sum(_sharded(leaf.shape, leaf.axes, rules, mesh, units) for leaf in g.values())
+    layers = sum(cfg.layer_types.count(kind) * _sharded(leaf.shape, leaf.axes, rules, mesh, units)
+                 for kind in schema.layer_kinds(cfg) for leaf in schema.layer_schema(cfg, kind).values())
+    return layers, heads
+
+
+def tp_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int = 2) -> DeviceBytes:
+    """One device of `tp` over n devices (n = 1: `ar`): its shards, the layers twice (the per-layer decode copy)."""
+    mesh = AbstractMesh((n,), (MODEL,))
+    layers, heads = _layers_sharded(cfg, TP_RULES, mesh)
+    kv_split = n if cfg.num_kv_heads % n == 0 else 1
+    return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0,
+                       _kv_bytes(cfg, cfg.num_attention_layers, cache_len, param_bytes, kv_split),
+                       _linear_bytes(cfg, cfg.num_linear_layers, 1, param_bytes), 0)
+
+
+def ar_device_bytes(cfg: ModelConfig, cache_len: int, param_bytes: int = 2) -> DeviceBytes:
+    return tp_device_bytes(cfg, 1, cache_len, param_bytes)
+
+
+def train_device_bytes(cfg: ModelConfig, spec: "PSMConfig", model_devices: int, compute_bytes: int = 4) -> DeviceBytes:
+    """One device of a PSM training step on a data x `model_devices` mesh: the frozen target in the compute
+    dtype split over `model`; the PSM's trained weights, their gradient and AdamW's two moments (float32,
+    replicated); its frozen head (float32, split over `model` without a draft vocabulary). No caches;
+    activations not counted."""
+    mesh = AbstractMesh((1, model_devices), ("data", MODEL))
+    layers, heads = _layers_sharded(cfg, TRAIN_RULES, mesh)
+    V = spec.draft_vocab or cfg.vocab_size
+    head_rows = V if spec.draft_vocab else -(-V // model_devices)
+    return DeviceBytes(layers * compute_bytes, heads * compute_bytes,
+                       4 * 4 * psm_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
+
+
+def memory_table(names: list[str], ns: list[int], contexts: list[int], param_bytes: int = 2) -> list[dict]:
+    """Rows of the docs' table: per config, n and context, one `spd` device's parts in GiB (heads replicated
+    as today, and split by rows), against each chip in `DEVICE_MEMORY`."""
+    rows = []
+    for name in names:
+        cfg = ModelConfig.named(name)
+        for n in ns:
+            for ctx in contexts:
+                d = spd_device_bytes(cfg, n, ctx, param_bytes)
+                r = spd_device_bytes(cfg, n, ctx, param_bytes, heads="rows")
+                rows.append(dict(config=name, n=n, context=ctx, stage_plan=default_plan(cfg, n).counts,
+                                 **{k: v / GiB for k, v in dataclasses.asdict(d).items()},
+                                 total=d.total / GiB, heads_rows=r.heads / GiB, total_rows=r.total / GiB,
+                                 **{f"fits {chip}": (d.total <= b, r.total <= b) for chip, b in DEVICE_MEMORY.items()}))
+    return rows

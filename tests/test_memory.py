@@ -1,0 +1,69 @@
+"""The memory planner (`spd_jax.pipeline.memory`) against the arrays the engine really places: bytes per
+device, part by part, on host devices."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import spd_jax
+from spd_jax.config import ModelConfig
+from spd_jax.convert.random import write_random_checkpoint
+from spd_jax.decode import pipelined
+from spd_jax.methods import tp_runtime
+from spd_jax.pipeline import memory, stages
+from spd_jax.sharding import STAGE_RULES, TP_RULES, model_mesh, stage_mesh
+
+
+def on_device(tree, device, skip=()) -> int:
+    """Bytes of tree's shards held by device (leaves that are `skip`'s arrays not counted)."""
+    skip_ids = {id(a) for a in jax.tree.leaves(skip)}
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) if id(a) not in skip_ids
+               for s in a.addressable_shards if s.device == device)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint("tiny-qwen3_5", tmp_path_factory.mktemp("tiny_qwen3_5_random"),
+                                   max_shard_bytes=100_000)
+
+
+@pytest.mark.parametrize("n,placement", [(3, "last"), (4, "own")])
+def test_spd_bytes_per_device_equal_the_placed_arrays(ckpt, n, placement):
+    mesh_n = n + (placement == "own")
+    model = spd_jax.load_model(ckpt, dtype="bfloat16", mesh=stage_mesh(mesh_n), rules=STAGE_RULES)
+    plan = pipelined.plan_for(model, n)
+    draft = pipelined.DRAFTERS["psm"](model, plan, "random", 2, None)
+    psm_device = pipelined.psm_device_for(model, plan, draft.spec, placement)
+    layout = stages.StageLayout.of(model.config, plan, draft.drafter.anchors, devices=plan.n + (psm_device == plan.n))
+    cache_len = pipelined.engine_cache_len(40, 16, n)
+    placed = pipelined.place_engine(model, layout, draft, stage_mesh(layout.devices), 40, cache_len)
+    want = memory.spd_device_bytes(model.config, n, cache_len, 2, plan=plan, psm=draft.spec,
+                                   own_device=placement == "own")
+    for d in stage_mesh(layout.devices).devices.flat:  # every device: the same shapes
+        got = memory.DeviceBytes(on_device(placed.stage_w, d), on_device(placed.shared, d),
+                                 on_device(placed.dparams, d, skip=placed.shared), on_device(placed.caches.kv, d),
+                                 on_device(placed.caches.linear, d), on_device(placed.dstate, d))
+        assert got == want, d
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_tp_and_ar_bytes_per_device_equal_the_placed_arrays(ckpt, n):
+    model = spd_jax.load_model(ckpt, dtype="bfloat16", mesh=model_mesh(n), rules=TP_RULES)
+    params, layers, _ = tp_runtime(model, n)
+    want = memory.tp_device_bytes(model.config, n, 128, 2)
+    for d in model_mesh(n).devices.flat:
+        assert on_device((params["layers"], layers), d) == want.layers
+        assert on_device({k: v for k, v in params.items() if k != "layers"}, d) == want.heads
+
+
+def test_rows_split_the_heads_and_the_table_covers_both_chips():
+    cfg = ModelConfig.named("qwen3.5-4b")
+    whole = memory.spd_device_bytes(cfg, 8, 4096)
+    rows = memory.spd_device_bytes(cfg, 8, 4096, heads="rows")
+    assert whole.heads == cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size * 2  # tied: one [V, H]
+    assert rows.heads == cfg.vocab_size // 8 * cfg.hidden_size * 2 + cfg.hidden_size * 2
+    assert rows.total == whole.total - (whole.heads - rows.heads)
+    table = memory.memory_table(["qwen3.5-4b"], [8], [4096])
+    assert table[0]["total"] * memory.GiB == pytest.approx(whole.total)
+    assert set(k for k in table[0] if k.startswith("fits")) == {f"fits {c}" for c in memory.DEVICE_MEMORY}
