@@ -9,6 +9,7 @@ makes the comparison sensitive; a control checks that a wrong fill is detected.
 
 
 import dataclasses
+import functools
 import json
 import logging
 
@@ -266,3 +267,36 @@ def test_verified_fills_follow_the_engines_schedule(n):
     for bad in ("often", 1.5, 0):
         with pytest.raises(ValueError, match="fill_accept"):
             TrainConfig.from_dict({"fill_accept": bad})
+
+
+def test_plain_loss_and_gradient_equal_the_fast_ones(tiny_ckpt):
+    """`psm_loss(plain=True)`, each query drafted as the engine drafts (one after another, over the prefilled
+    chain), gives the training forward's loss and gradient: the check `bench.scale` makes at a model's size."""
+    from spd_jax.drafters.base import split_params
+    from spd_jax.drafters.psm import psm_loss
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])  # the target only feeds anchors
+    spec = PSMConfig.for_target(model.config, pipelined.plan_for(model, 2).counts, 1)
+    trainable, frozen = split_params(_sensitive_psm(model, spec))
+    rng = np.random.default_rng(5)
+    query = np.arange(T - 1, dtype=np.int32)[None]
+    batch = dict(tokens=jnp.asarray(rng.integers(0, model.config.vocab_size, (1, T)), jnp.int32),
+                 query=jnp.asarray(query), query_mask=jnp.asarray(rng.random(query.shape) < 0.8))
+    keys = jax.random.split(jax.random.key(3), 1)
+
+    def loss_and_grad(plain):
+        loss = functools.partial(psm_loss, cfg=model.config, spec=spec, tau=1.0, plain=plain)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable, frozen, model.params, batch, keys)
+
+    (fast, fast_sums), fast_grad = loss_and_grad(False)
+    (plain, plain_sums), plain_grad = loss_and_grad(True)
+    assert float(fast_sums["positions"]) == float(plain_sums["positions"]) > 0
+    assert_close(plain, fast, CACHED_VS_FULL, depth=spec.num_layers, what="loss")
+    for path, g in jax.tree_util.tree_leaves_with_path(fast_grad):
+        assert_close(_at(plain_grad, path), g, CACHED_VS_FULL, depth=spec.num_layers, what=f"grad {path}")
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree

@@ -7,16 +7,42 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spd_jax.drafters.base import join_params
 from spd_jax.drafters.objective import distill_kl, top1_ce
 from spd_jax.drafters.psm.fills import deal_fills, teacher_states
 from spd_jax.drafters.psm.model import PSM, PSMConfig
 from spd_jax.models import decoder
+from spd_jax.models.attention import init_kv_cache
+
+
+def plain_hidden(psm: PSM, variables: dict, h: jax.Array, at: jax.Array, fills: jax.Array) -> jax.Array:
+    """The drafts' hidden states [B, Q, H] computed the plain way, as the engine computes each: the chain of
+    completed rows prefilled once (`PSM.prefill`), then for each query, one after another (`lax.map`), the
+    engine's draft (`PSM.draft_hidden`) over the n + 1 rows from its first in-flight position, the newest
+    token at at[b, q] with fills[q] tokens in flight. What `PSM.train_hidden` computes with its shared chain
+    and groups (tests/test_psm_train.py), without either: a check on it, Q times its cost."""
+    B, T = h.shape[:2]
+    n = psm.spec.n
+    cache0 = init_kv_cache(psm.cfg, psm.spec.num_layers, 1, T + n + 1, h.dtype)
+
+    def sequence(h_b, at_b):
+        chain = psm.apply(variables, h_b, cache0, method=PSM.prefill)  # every row completed: the deepest type
+
+        def query(q):
+            t, fill = q
+            pc = jnp.maximum(t - fill + 1, 0)  # the first in-flight position; before it the completed chain
+            rows = h_b[jnp.clip(pc + jnp.arange(n + 1), 0, T - 1)]
+            return psm.apply(variables, rows, chain, pc, t, pc, method=PSM.draft_hidden)[0]
+
+        return jax.lax.map(query, (at_b, fills))
+
+    return jax.vmap(sequence)(h, at)
 
 
 def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, tau: float,
-             fill_accept: float | None = None, hard_weight: float = 0.0):
+             fill_accept: float | None = None, hard_weight: float = 0.0, plain: bool = False):
     """-> (sum of the masked KL (plus hard_weight x the cross-entropy on the teacher's argmax), metrics
     sums). batch (`pad_batch`): tokens [B, T] int32; query [B, Q] int32 and query_mask [B, Q] bool, the
     positions t that predict a response token. keys [B]: one per sequence, so the simulated fills of a
@@ -25,7 +51,8 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     and the KL only on the queries. A batch that carries the target's features (anchor_states [B, T, m, H],
     final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward; with
     teacher_argmax [B, Q] too (the teacher's greedy token at each query, from the cache) and a draft
-    vocabulary, the teacher's logits are computed over the V' rows only."""
+    vocabulary, the teacher's logits are computed over the V' rows only. plain: the drafts computed query by
+    query as the engine drafts (`plain_hidden`), to check the fast path's loss and gradient."""
     tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
@@ -39,7 +66,10 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     at = jnp.take_along_axis(batch["query"], order, axis=1)  # [B, Q] in the blocks' order
     w = jnp.take_along_axis(batch["query_mask"], order, axis=1).astype(jnp.float32)
     psm = PSM(cfg, spec)
-    ys = psm.apply(variables, h, [(at[:, a:a + len(f)], f, K) for a, f, K in blocks], method=PSM.train_hidden)
+    if plain:
+        ys = [plain_hidden(psm, variables, h, at, jnp.asarray(np.concatenate([f for _, f, _ in blocks])))]
+    else:
+        ys = psm.apply(variables, h, [(at[:, a:a + len(f)], f, K) for a, f, K in blocks], method=PSM.train_hidden)
     student = psm.apply(variables, jnp.concatenate(ys, axis=1), target["final_norm"],
                         method=PSM.head_logits)  # [B, Q, V']
     x_q = jax.lax.stop_gradient(jnp.take_along_axis(x, at[..., None], axis=1))  # [B, Q, H]
