@@ -67,3 +67,21 @@ def test_rows_split_the_heads_and_the_table_covers_both_chips():
     table = memory.memory_table(["qwen3.5-4b"], [8], [4096])
     assert table[0]["total"] * memory.GiB == pytest.approx(whole.total)
     assert set(k for k in table[0] if k.startswith("fits")) == {f"fits {c}" for c in memory.DEVICE_MEMORY}
+
+
+def test_a_random_psm_is_made_in_its_dtype_without_a_random_head():
+    """The random PSM `spd` runs at Qwen3.5-4B's size, compiled from shapes alone: its program makes the body in
+    bfloat16 and no [V, H] head (the target's replaces it). Before: 3.8 GB of outputs (the body and a random head in
+    float32), 9.6 GB of temporaries."""
+    import jax.numpy as jnp
+
+    from spd_jax.drafters.psm.kind import _init_boxed
+    from spd_jax.drafters.shared import _random_params
+    from spd_jax.pipeline.costs import default_plan
+
+    cfg = ModelConfig.named("qwen3.5-4b")
+    spec = memory.random_psm(cfg, default_plan(cfg, 8))
+    made = _random_params.lower(_init_boxed, cfg, spec, 0, jnp.dtype("bfloat16")).compile().memory_analysis()
+    assert made.output_size_in_bytes == pytest.approx(memory.psm_params(cfg, spec) * 2, abs=1024)  # + a pointer table
+    # temporaries: the body's float32 values and random bits (2.7 GB), no head's
+    assert made.temp_size_in_bytes < 2.5 * 4 * memory.psm_params(cfg, spec)
