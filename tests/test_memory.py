@@ -59,13 +59,15 @@ def test_tp_and_ar_bytes_per_device_equal_the_placed_arrays(ckpt, n):
 
 def test_rows_split_the_heads_and_the_table_covers_both_chips():
     cfg = ModelConfig.named("qwen3.5-4b")
-    whole = memory.spd_device_bytes(cfg, 8, 4096)
-    rows = memory.spd_device_bytes(cfg, 8, 4096, heads="rows")
+    whole = memory.spd_device_bytes(cfg, 8, 4096, heads="replicated")
+    rows = memory.spd_device_bytes(cfg, 8, 4096)  # 8 divides 248,320: split by rows
     assert whole.heads == cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size * 2  # tied: one [V, H]
     assert rows.heads == cfg.vocab_size // 8 * cfg.hidden_size * 2 + cfg.hidden_size * 2
     assert rows.total == whole.total - (whole.heads - rows.heads)
+    assert memory.spd_device_bytes(cfg, 8, 4096, own_device=True).heads == whole.heads  # 9 does not divide V
     table = memory.memory_table(["qwen3.5-4b"], [8], [4096])
-    assert table[0]["total"] * memory.GiB == pytest.approx(whole.total)
+    assert table[0]["total"] * memory.GiB == pytest.approx(rows.total)
+    assert table[0]["total_heads_whole"] * memory.GiB == pytest.approx(whole.total)
     assert set(k for k in table[0] if k.startswith("fits")) == {f"fits {c}" for c in memory.DEVICE_MEMORY}
 
 

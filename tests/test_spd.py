@@ -194,14 +194,16 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
     assert outside > 0 or p_bad < 1e-6
 
 
-@pytest.mark.parametrize("method", ["spd", "pipeline"])
-def test_a_greedy_cycle_runs_three_collectives(tiny_ckpt, method):
+@pytest.mark.parametrize("method,placement", [("spd", "own"), ("spd", "last"), ("pipeline", "own")])
+def test_a_greedy_cycle_runs_three_collectives(tiny_ckpt, method, placement):
     """The pipeline's ppermute of the hidden state to the next stage, one all-gather of every device's
     [H] values (its output, the anchor states it made, the drafter's hidden state) and one of the heads'
-    per-shard best logits: what a compiled cycle runs."""
+    per-shard best logits: what a compiled cycle runs. With the PSM on a stage (4 devices dividing the
+    vocabulary of 160) the embedding is split by rows and the chosen tokens' rows ride the second
+    all-gather; on a device of its own (5 devices) the embedding is whole on each."""
     # one model kind: the cycle's communication does not depend on the layer kinds
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
-    spd_jax.generate(model, PROMPT, 4, stop_at_eos=False, method=method, n=4, psm_layers=1, psm_placement="own")
+    spd_jax.generate(model, PROMPT, 4, stop_at_eos=False, method=method, n=4, psm_layers=1, psm_placement=placement)
     assert loop_collectives(methods.get(method).compiled.latest().as_text()) == {"collective-permute": 1,
                                                                                  "all-gather": 2}
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.sampling import SamplingParams
-from spd_jax.decode.spd import EngineConfig, build
+from spd_jax.decode.spd import EngineConfig, arg_specs, build
 from spd_jax.distributed import to_host
 from spd_jax.drafters import registry
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
@@ -192,8 +192,11 @@ def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, pr
                                     stages.stage_weight_axes(cfg, layout))
         else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
             stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
+        # the embedding and heads as the stage rules place them (split by vocabulary rows where the devices divide
+        # the vocabulary): used as they are when the model was loaded with them
+        axes = {k: a for k, a in schema.param_axes(cfg).items() if k != "layers"}
         model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
-                              put({k: v for k, v in model.params.items() if k != "layers"}, rep))
+                              placement.put({k: model.params[k] for k in axes}, axes))
     stage_w, prog, shared = model.runtime[key]
     caches, dstate = _new_state(cfg=cfg, layout=layout, cache_len=cache_len, dtype=jnp.dtype(model.dtype),
                                 drafter=draft.drafter, sharding=st)
@@ -231,10 +234,12 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
 
     # the engine compiles per power of two of top_k (the candidates a filter gathers per vocabulary shard)
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
-    ec = EngineConfig(cfg, layout, draft.drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device)
+    ec = EngineConfig(cfg, layout, draft.drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device,
+                      vocab_rows=not shared["embed"].sharding.is_fully_replicated)
     ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat))
     events = cache_events()
-    exe, compile_s = (_compiled if compiled is None else compiled).get(ckey, lambda: build(ec, mesh).lower(*args))
+    exe, compile_s = (_compiled if compiled is None else compiled).get(
+        ckey, lambda: build(ec, mesh, arg_specs(args)).lower(*args))
     compile_from = compile_source(events, compile_s)
 
     t0 = time.perf_counter()

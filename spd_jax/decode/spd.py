@@ -4,11 +4,16 @@ whole decode loop (`lax.while_loop`) on device.
 Placement (one device per stage; see SPD.md for the algorithm and notation):
 - stage s holds only its layers' weights and caches and runs them on its in-flight token each cycle;
   hidden states move to stage s+1 with one `ppermute` per cycle;
-- embedding, final norm and LM head are replicated (stage 0 embeds); the heads are computed
-  vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's hidden state are
-  broadcast ([H] each) and every stage computes the logits of its 1/n of the vocabulary (the head
-  weights stay replicated; each stage reads its rows; a PSM without a draft vocabulary reads the same
-  placed copy of the target's head, `pipelined.place_psm`);
+- embedding and LM head are split by vocabulary rows over the devices where their count divides the
+  vocabulary (`ec.vocab_rows`; else each holds them whole and reads its rows), the final norm replicated.
+  The heads are computed vocabulary-parallel (`decode.vocab`): the last stage's output and the PSM's
+  hidden state are broadcast ([H] each) and every device computes the logits of its 1/D of the
+  vocabulary (a PSM without a draft vocabulary reads the same placed head, `pipelined.place_psm`);
+- the embedding of each token is looked up once, when it is chosen, and kept by position (`LoopState.embeds`):
+  stage 0 and the drafter read it there. Split by rows, a greedy choice's embedding rides the choices'
+  all-gather (each device sends the row of its own shard's best token, which it holds; the winner's is
+  kept), so the cycle keeps its three collectives; a sampled choice, or a draft from a draft vocabulary,
+  adds an all-reduce of the rows;
 - the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`; the last when None; the
   host's default, placement "auto", is the stage whose placement gives the shortest predicted cycle,
   busiest device + collectives, `pipeline.costs.best_psm_device`) or a device of its own (n + 1
@@ -63,6 +68,7 @@ class LoopState(NamedTuple):
     cached: jax.Array  # positions < cached are in the drafter's state
     n_commit: jax.Array  # positions < n_commit are committed
     table: jax.Array  # [W, m, H] anchor states of recent positions, a ring over positions
+    embeds: jax.Array  # [W, H] the embedding of each recent position's token, the same ring
     cycles: jax.Array
     accepted: jax.Array
     rejected: jax.Array
@@ -89,6 +95,7 @@ class EngineConfig:
     prompt_pad: int
     cache_len: int
     psm_device: int | None = None  # the drafter's device: a stage 0..n-1 (None: the last) or n (its own)
+    vocab_rows: bool = False  # the embedding and heads split by vocabulary rows over the devices (else whole on each)
 
     def __post_init__(self):
         if self.drafter.k not in (0, 1):
@@ -117,17 +124,19 @@ class EngineConfig:
         return self.n - 1 if self.psm_device is None else self.psm_device
 
 
-def build(ec: EngineConfig, mesh):
+def build(ec: EngineConfig, mesh, in_specs=None):
     """-> jitted fn(stage_w, prog, shared, drafter_params, caches, drafter_state, prompt, prompt_len,
     max_new, eos_ids, sp) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S],
     caches, drafter_state). Caches and the drafter's state ([devices, ...], one copy per device) are
-    donated."""
+    donated. in_specs: the arguments' PartitionSpecs (`arg_specs` of the placed arguments: the shared
+    embedding and heads split by vocabulary rows where `ec.vocab_rows`); default per-stage stacks split and
+    the rest replicated."""
     # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
     smap = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(st, st, rep, rep, st, st, rep, rep, rep, rep, rep),
+        in_specs=in_specs if in_specs is not None else (st, st, rep, rep, st, st, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
         # Varying-ness is checked: replicated values (the sequence, the bookkeeping, the decision) come
         # out of psum-broadcasts from the deciding stage, so JAX proves them identical on every stage;
@@ -135,6 +144,11 @@ def build(ec: EngineConfig, mesh):
         # constant meets them in a cond/switch branch or a loop carry (`vary`).
         check_vma=True)
     return jax.jit(smap, donate_argnums=(4, 5))
+
+
+def arg_specs(args) -> tuple:
+    """The PartitionSpec of every placed argument of `build`'s program (each a NamedSharding on its mesh)."""
+    return jax.tree.map(lambda a: a.sharding.spec, tuple(args))
 
 
 def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, prompt, prompt_len, max_new,
@@ -173,7 +187,22 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
     V = cfg.vocab_size
     vs = vocab.Shards(V, D)
     ids_v, own_v = vs.ids(s), vs.own(s)
-    head = decoder.lm_head(shared, cfg)
+    head = decoder.lm_head(shared, cfg)  # this device's rows [vs.rows, H] with vocab_rows, else all [V, H]
+
+    def own_rows(ids):
+        """Token ids [...] -> [..., H]: their embeddings where this device holds the row, zeros elsewhere (the
+        table split by rows), or every embedding (the table whole on each device)."""
+        if not ec.vocab_rows:
+            return decoder.embed(shared, ids)
+        at = ids - vs.start(s)
+        mine = (at >= 0) & (at < vs.rows)
+        rows = jnp.take(shared["embed"], jnp.clip(at, 0, vs.rows - 1), axis=0)
+        return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
+
+    def lookup(ids):
+        """Token ids [...] -> the embeddings [..., H], the same on every device (split by rows: an all-reduce of
+        each device's rows; every device calls it)."""
+        return jax.lax.psum(own_rows(ids), STAGE) if ec.vocab_rows else own_rows(ids)
 
     def cap(rows):  # candidates per shard for a filter: without top-k, top-p may keep any of them
         return min(rows, ec.top_k_cap) if ec.top_k_cap else rows
@@ -221,14 +250,13 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         return d, q
 
     ops = SpdOps(
-        embed=lambda ids: decoder.embed(shared, ids[None])[0],
         final_norm=shared["final_norm"],
         on_device=lambda fn, other, operand: jax.lax.cond(on_drafter, fn, other, operand),
         vary=lambda v: vary(v, STAGE))
 
     # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
     # not n unrolled copies of the stage, so compile time does not grow with n
-    emb = decoder.embed(shared, prompt)  # [1, Pp, H]
+    emb = lookup(prompt)  # [1, Pp, H]
     x0 = vary(emb, STAGE)  # each stage's hidden state is its own from the first round on
 
     def prefill_round(r, carry):
@@ -255,6 +283,7 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
     sampled_drafts = drafts and not ec.greedy
     state = LoopState(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
                       cached=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
+                      embeds=jnp.zeros((W, H), emb.dtype).at[prompt_len % W].set(lookup(y0)),
                       cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
                       done=jnp.any(y0 == eos_ids) | (max_new <= 1))
     # per-stage carries: what the stages compute differs between them from the first cycle on
@@ -285,14 +314,14 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         # 1. the drafter's network for x_{t+1}, from the states at the start of the cycle (early start)
         can_draft = (t + 1 < budget_end) & drafts
         dstate, qring = loc.dstate, loc.qring
-        cyc = SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table)
+        cyc = SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table, embeds=st.embeds)
         if drafts:
             x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc, ops)  # [H], the drafter's device's
 
         # 2. every stage advances its token
         # a PSM device of its own (s == n) holds no stage: never valid
         pos_s, valid_s = t - s, (s < n) & valid[jnp.minimum(s, n - 1)]
-        x_in = jnp.where(s == 0, decoder.embed(shared, seq[t].reshape(1, 1)), loc.x)
+        x_in = jnp.where(s == 0, st.embeds[t % W][None, None], loc.x)  # stage 0's token, embedded when chosen
         x_out, cache, anc = jax.lax.cond(
             valid_s,
             lambda a: stage_forward(w, a[1], pr, a[0], pos_s, cfg, lay),
@@ -320,17 +349,24 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         verified = valid[last]
         p1 = t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
-        draft = jnp.int32(0)
+        draft, token_ids = jnp.int32(0), None
         if drafts:
             head, token_ids = drafter.spd_head(dparams, every[ec.psm_dev, -1].astype(x_draft.dtype), cyc, ops)
             d_logits, d_ids, hs = draft_logits(head, token_ids)
         if ec.greedy:  # both argmaxes from one all-gather of each shard's best (`vocab.argmax`, two heads)
             none = vary(vocab.shard_best(jnp.full((1,), -jnp.inf), jnp.zeros((1,), jnp.int32)), STAGE)
-            best = [jax.lax.cond(verified, lambda h: vocab.shard_best(target_logits(h), ids_v), lambda h: none,
-                                 h_verify)] + ([vocab.shard_best(d_logits, d_ids)] if drafts else [])
-            chosen = vocab.best_of(vocab.gather(jnp.stack(best), STAGE))  # [1 + drafts]
+            best = jnp.stack([jax.lax.cond(verified, lambda h: vocab.shard_best(target_logits(h), ids_v),
+                                           lambda h: none, h_verify)]
+                             + ([vocab.shard_best(d_logits, d_ids)] if drafts else []))  # [1 + drafts, 2]
+            # split by rows, each shard's best token's embedding rides along (this device holds its row; a
+            # draft vocabulary's rows are not split as the embedding is: its draft is looked up below)
+            ride = (1 + drafts if token_ids is None else 1) if ec.vocab_rows else 0
+            packet = jnp.concatenate([best, vocab.as_words(own_rows(best[:ride, 1]))], axis=-1) if ride else best
+            every_best = vocab.gather(packet, STAGE)  # [D, 1 + drafts, 2 (+ the row's words)]
+            chosen = vocab.best_of(every_best[..., :2])  # [1 + drafts]
             y, draft = chosen[0], chosen[-1] if drafts else draft
             ok = has_next & (seq[p1] == y)  # `vocab.verify_greedy`'s rule
+            rode = vocab.winner_rows(every_best[:, :ride], chosen[:ride], emb.dtype) if ride else None
         else:
             if drafts:
                 draft, q = draft_sampled(d_logits, d_ids, hs, token_ids, t + 1)
@@ -340,6 +376,14 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
                                  (st, loc._replace(qring=qring), h_verify))
         accept = verified & ok
         replace = verified & ~ok
+        # the embedding of the token entering stage 0 next cycle (t + 1's draft, or p1's replacement)
+        if ec.greedy and ec.vocab_rows and rode.shape[0] == 1 + drafts:
+            emb_y, emb_d = rode[0], rode[-1]
+        elif ec.greedy and ec.vocab_rows:
+            emb_y, emb_d = rode[0], lookup(draft)
+        else:
+            emb_y, emb_d = lookup(jnp.stack([y, draft]))  # one all-reduce of both rows when split by rows
+        next_t = jnp.where(replace, p1, t + 1)
         seq = jnp.where(replace, seq.at[p1].set(y), seq)
         committed = seq[p1]
         draft_ok = can_draft & ~replace
@@ -347,9 +391,11 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         n_commit = jnp.where(verified, p1 + 1, st.n_commit)
         flushed = jnp.zeros((n,), bool).at[0].set(True)
         shifted = jnp.concatenate([draft_ok[None], valid[:-1]])
+        fed = replace | draft_ok
+        embeds = jnp.where(fed, st.embeds.at[next_t % W].set(jnp.where(replace, emb_y, emb_d)), st.embeds)
         new = LoopState(
-            seq=seq, table=table,
-            t=jnp.where(replace, p1, t + 1),
+            seq=seq, table=table, embeds=embeds,
+            t=next_t,
             valid=jnp.where(replace, flushed, shifted),
             completed=jnp.where(verified, p1, st.completed),
             cached=st.completed,  # this cycle's draft block wrote every completed row

@@ -83,6 +83,27 @@ def best_of(best: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(top == jnp.max(top, axis=0), best[..., 1], _NO_ID), axis=0)
 
 
+def as_words(rows: jax.Array) -> jax.Array:
+    """rows [k, H] of a 2- or 4-byte dtype -> [k, H * itemsize / 4] int32, their bits: so rows travel in the
+    same all-gather as `shard_best`'s int32 (one collective, not two)."""
+    size = rows.dtype.itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(rows, jnp.int32)
+    if size == 2 and rows.shape[-1] % 2 == 0:
+        return jax.lax.bitcast_convert_type(rows.reshape(*rows.shape[:-1], -1, 2), jnp.int32)
+    raise ValueError(f"rows of {rows.dtype} and width {rows.shape[-1]} do not pack into int32 words")
+
+
+def winner_rows(every: jax.Array, chosen: jax.Array, dtype) -> jax.Array:
+    """every [D, k, 2 + words]: each shard's `shard_best` and its best token's row (`as_words`), gathered;
+    chosen [k]: `best_of`'s ids -> [k, H] in dtype: the row the shard holding each chosen id sent."""
+    winner = jnp.argmax(every[..., 1] == chosen[None], axis=0)  # [k] the shard whose best is the chosen id
+    words = every[winner, jnp.arange(chosen.shape[0]), 2:]  # [k, words]
+    if jnp.dtype(dtype).itemsize == 4:
+        return jax.lax.bitcast_convert_type(words, dtype)
+    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
+
+
 def gather(x: jax.Array, axis: str | None) -> jax.Array:
     """Every device's x, stacked: [D, ...] and the same on every device (one all-gather); [1, ...]
     with axis=None."""

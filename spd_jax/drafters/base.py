@@ -69,12 +69,12 @@ class SpdCycle(NamedTuple):
     completed: jax.Array  # positions < completed are verified
     cached: jax.Array  # positions < cached are in the drafter's state (its cache) already
     table: jax.Array  # [W, m, H] the anchor states of positions t - W + 1 .. t (a ring: position % W)
+    embeds: jax.Array  # [W, H] the embeddings (h_0) of the tokens at positions t - W + 1 .. t, the same ring
 
 
 class SpdOps(NamedTuple):
     """The SPD program's pieces a drafter runs through (inside one `shard_map` over the `stage` axis)."""
 
-    embed: Callable[[jax.Array], jax.Array]  # token ids [...] -> the target's embeddings [..., H]
     final_norm: jax.Array  # [H] the target's final norm weight (a drafter sharing the target's head)
     # on_device(fn, other, operand): fn(operand) on the drafter's device, other(operand) elsewhere (a
     # `lax.cond`: a drafter's layers run once, on one device); both return the same (varying) types

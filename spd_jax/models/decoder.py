@@ -155,9 +155,10 @@ def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
 def head_logits(x: jax.Array, norm_w: jax.Array, head: jax.Array, cfg: ModelConfig,
                 start: jax.Array | int = 0, rows: int | None = None) -> jax.Array:
     """Final norm + the head's rows [start, start + rows) (default all): x [..., H] -> float32
-    logits [..., rows]. A vocabulary shard reads only its rows of the head."""
+    logits [..., rows]. A vocabulary shard reads only its rows of the head; a head of `rows` rows is that
+    shard already (split by rows over the devices) and is read whole."""
     x = rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
-    if rows is not None:
+    if rows is not None and head.shape[0] != rows:
         head = jax.lax.dynamic_slice_in_dim(head, start, rows, axis=0)
     return jnp.einsum("...h,vh->...v", x.astype(head.dtype), head, preferred_element_type=jnp.float32)
 

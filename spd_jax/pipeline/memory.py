@@ -2,10 +2,11 @@
 and a PSM training step hold on each device once placed, by part, as the code places them today.
 
 - `spd` (`decode.pipelined.place_engine`): every device holds the same shapes (one SPMD program): its
-  stage's layers in per-kind stacks padded to the most layers of that kind in any stage; the embedding,
-  final norm and LM head (`heads="replicated"`, today: each device reads its vocabulary shard's rows from a
-  whole copy; `heads="rows"`: what it would hold were they split by vocabulary rows, ceil(V / D) each); the
-  PSM's weights, replicated (its head is the target's placed copy without a draft vocabulary); the stage
+  stage's layers in per-kind stacks padded to the most layers of that kind in any stage; the embedding and
+  LM head split by vocabulary rows over the D devices where D divides the vocabulary (`heads="rows"`, V / D
+  rows each), else whole on every device (`heads="replicated"`), and the final norm (`heads="auto"`, the
+  default: what the stage rules do); the PSM's weights, replicated (its head is the target's placed one
+  without a draft vocabulary); the stage
   caches: KV [max attention layers, 1, Nkv, S, D] x 2 in the model dtype, Gated DeltaNet's conv inputs
   [max linear layers, n, 1, K-1, C] in the model dtype and recurrent states [max linear layers, n, 1, Hv,
   Dk, Dv] in float32 (a ring of n saved states, for rollback); the PSM's KV cache [Ls, 1, Nkv, S, D] x 2.
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 GiB = 2**30
 # one chip's memory: what a device's total is held against
 DEVICE_MEMORY = {"TPU v5e": 16 * GiB, "H100": 80 * GiB}
-HEADS = ("replicated", "rows")  # the embedding and heads on every device: a whole copy (today), or one row shard
+HEADS = ("auto", "replicated", "rows")  # the embedding and heads: as the stage rules place them, whole, or by rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ def random_psm(cfg: ModelConfig, plan: StagePlan, num_layers: int = 2) -> "PSMCo
 
 
 def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int = 2, plan: StagePlan | None = None,
-                     psm: "PSMConfig | None" = None, heads: str = "replicated", own_device: bool = False) -> DeviceBytes:
+                     psm: "PSMConfig | None" = None, heads: str = "auto", own_device: bool = False) -> DeviceBytes:
     """One device of `spd` at n stages (plan: default `costs.default_plan`) with cache_len positions per cache,
     weights and caches in the model dtype (`param_bytes`); psm: default the random one; own_device: the PSM on
     a device of its own (n + 1 devices, each with the same shapes)."""
@@ -123,7 +124,8 @@ def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int 
     layers = sum(most[k] * _layer_params(cfg, k) for k in schema.layer_kinds(cfg)) * param_bytes
     psm_w = psm_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
     devices = n + own_device
-    return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if heads == "rows" else 1), psm_w,
+    rows = heads == "rows" or (heads == "auto" and cfg.vocab_size % devices == 0)
+    return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if rows else 1), psm_w,
                        _kv_bytes(cfg, most[ATTENTION], cache_len, param_bytes),
                        _linear_bytes(cfg, most[LINEAR], n, param_bytes),
                        _kv_bytes(cfg, psm.num_layers, cache_len, param_bytes))
@@ -173,17 +175,18 @@ def train_device_bytes(cfg: ModelConfig, spec: "PSMConfig", model_devices: int, 
 
 
 def memory_table(names: list[str], ns: list[int], contexts: list[int], param_bytes: int = 2) -> list[dict]:
-    """Rows of the docs' table: per config, n and context, one `spd` device's parts in GiB (heads replicated
-    as today, and split by rows), against each chip in `DEVICE_MEMORY`."""
+    """Rows of the docs' table: per config, n and context, one `spd` device's parts in GiB as placed (heads
+    split by rows where n divides the vocabulary), and its total were the heads whole on every device, against
+    each chip in `DEVICE_MEMORY`."""
     rows = []
     for name in names:
         cfg = ModelConfig.named(name)
         for n in ns:
             for ctx in contexts:
                 d = spd_device_bytes(cfg, n, ctx, param_bytes)
-                r = spd_device_bytes(cfg, n, ctx, param_bytes, heads="rows")
+                w = spd_device_bytes(cfg, n, ctx, param_bytes, heads="replicated")
                 rows.append(dict(config=name, n=n, context=ctx, stage_plan=default_plan(cfg, n).counts,
                                  **{k: v / GiB for k, v in dataclasses.asdict(d).items()},
-                                 total=d.total / GiB, heads_rows=r.heads / GiB, total_rows=r.total / GiB,
-                                 **{f"fits {chip}": (d.total <= b, r.total <= b) for chip, b in DEVICE_MEMORY.items()}))
+                                 total=d.total / GiB, total_heads_whole=w.total / GiB,
+                                 **{f"fits {chip}": d.total <= b for chip, b in DEVICE_MEMORY.items()}))
     return rows

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
 from spd_jax.drafters.psm.model import PSM, PSMConfig
+from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
 
 
@@ -39,7 +40,20 @@ class PSMDrafter:
     def init(self, params, cache_len: int, dtype):
         return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
 
+    def _module_params(self, params: dict) -> dict:
+        """params as the module declares them: a head the engine placed split by vocabulary rows (this device's
+        rows, inside the engine's program) is swapped for a stand-in of the declared shape, a broadcast no
+        part of the body reads, so XLA never builds it; the head itself is applied as placed (`spd_draft`)."""
+        head = params["params"]["lm_head"]
+        whole = (self.spec.draft_vocab or self.cfg.vocab_size, self.cfg.hidden_size)
+        if head.shape == whole:
+            return params
+        stand_in = jnp.broadcast_to(jnp.zeros((), head.dtype), whole)
+        return {**params, "params": {**params["params"], "lm_head": stand_in}}
+
     def spd_prefill(self, params, state, anchor_states, ops):
+        params = self._module_params(params)
+
         def prefill(cache):  # the rows meet the (per-device) cache inside the layer scan: cast them first
             return self.module.apply(params, ops.vary(jnp.moveaxis(anchor_states, 0, 1)), cache,
                                      method=PSM.prefill)
@@ -47,11 +61,12 @@ class PSMDrafter:
         return ops.on_device(prefill, lambda cache: cache, state)
 
     def spd_draft(self, params, state, cycle, ops):
-        n, S, W = self.spec.n, cycle.seq.shape[0], cycle.table.shape[0]
+        params = self._module_params(params)
+        n, W = self.spec.n, cycle.table.shape[0]
         pos = cycle.cached + jnp.arange(n + 1)  # cached <= completed <= t <= cached + n
 
-        def body(cache):
-            h = cycle.table[pos % W].at[:, 0].set(ops.embed(cycle.seq[jnp.clip(pos, 0, S - 1)]))  # [n + 1, m, H]
+        def body(cache):  # the rows' h_0 is the tokens' embeddings, which the engine keeps by position
+            h = cycle.table[pos % W].at[:, 0].set(cycle.embeds[pos % W])  # [n + 1, m, H]
             return self.module.apply(params, ops.vary(h), cache, cycle.cached, cycle.t, cycle.completed,
                                      method=PSM.draft_hidden)
 
@@ -59,7 +74,10 @@ class PSMDrafter:
                                                   cache), state)
 
     def spd_head(self, params, h, cycle, ops):
-        def head(start, rows):
-            return self.module.apply(params, h, ops.final_norm, start, rows, method=PSM.head_logits)
+        head_rows = params["params"]["lm_head"]  # as placed: all its rows, or this device's (split by rows)
 
-        return head, self.module.apply(params, method=PSM.token_ids) if self.spec.draft_vocab else None
+        def head(start, rows):  # `PSM.head_logits` on the head as placed (its rows [start, start + rows))
+            return decoder.head_logits(h, ops.final_norm, head_rows, self.cfg, start, rows)
+
+        ids = self.module.apply(self._module_params(params), method=PSM.token_ids) if self.spec.draft_vocab else None
+        return head, ids
