@@ -122,9 +122,13 @@ def test_device_busy_and_predict_sanity():
     assert r2["spd_comm_s"] == pytest.approx(3e-3)
     assert cyc.predict(cfg, n, psm, slow_links, 256, 1.5, heads="last")["spd_comm_s"] == pytest.approx(3e-3)
     H2 = cfg.hidden_size * 2
+    # (the embedding split by rows where the devices divide the vocabulary: each choice carries its token's row)
+    assert cfg.vocab_size % n == 0
     assert cyc.collectives(cyc.cycle_costs(cfg, plan, psm, 256)) == [
-        ("ppermute", H2), ("all_gather", (psm.m + 2) * H2), ("all_gather", 16)]
-    assert cyc.collectives(plain) == [("ppermute", H2), ("all_gather", H2), ("all_gather", 8)]
+        ("ppermute", H2), ("all_gather", (psm.m + 2) * H2), ("all_gather", 2 * (8 + H2))]
+    assert cyc.collectives(plain) == [("ppermute", H2), ("all_gather", H2), ("all_gather", 8 + H2)]
+    whole = dataclasses.replace(cyc.cycle_costs(cfg, plan, psm, 256), embed_rows=False)
+    assert cyc.collectives(whole)[-1] == ("all_gather", 16)
     assert "communication included" in r2["includes"]
     with pytest.raises(ValueError, match="heads must be one of"):
         cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="spread")

@@ -72,6 +72,7 @@ class CycleCosts:
     hidden_bytes: int  # [H] in the model dtype: one row of the hidden-state packet
     m: int  # the PSM's anchors (rows 1..m of the packet); 0 without a drafter
     psm_device: int  # the device running the PSM body: a stage 0..n-1, or n (a device of its own)
+    embed_rows: bool = False  # the embedding split by vocabulary rows over the devices (D divides V)
 
     @property
     def n(self) -> int:
@@ -117,7 +118,7 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, co
         psm_shard, m = cost(dataclasses.replace(psm_cfg, draft_vocab=dv))[-1], psm_cfg.m
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
                       head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head, psm_shard,
-                      H * param_bytes, m, psm_device)
+                      H * param_bytes, m, psm_device, cfg.vocab_size % D == 0)
 
 
 def _drafter_kinds():
@@ -140,13 +141,14 @@ def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float
     """The collectives of one cycle as (kind, bytes per device), one after the other: the ppermute of the
     stage output [H], the all-gather of the hidden-state packets (`CycleCosts.packet_bytes`) and the
     all-gather of the choices (int32: [2, 2] per device with a drafter and sharded heads, [1, 2] without
-    a drafter or with the heads on the last stage). None on one device."""
+    a drafter or with the heads on the last stage; where the embedding is split by rows, `embed_rows`, each
+    choice carries the row [H] of its shard's best token, the next token's embedding). None on one device."""
     _check_heads(heads)
     if cc.devices == 1:
         return []
     choice_rows = 2 if cc.drafter and heads == "sharded" else 1
-    return [("ppermute", cc.hidden_bytes), ("all_gather", cc.packet_bytes),
-            ("all_gather", choice_rows * 2 * SCALAR_BYTES)]
+    choice = 2 * SCALAR_BYTES + (cc.hidden_bytes if cc.embed_rows and heads == "sharded" else 0)
+    return [("ppermute", cc.hidden_bytes), ("all_gather", cc.packet_bytes), ("all_gather", choice_rows * choice)]
 
 
 def comm_s(cc: CycleCosts, hw: Hardware, heads: str = "sharded") -> float:
