@@ -1,0 +1,184 @@
+"""python -m bench.xla_costs: the cost model's FLOPs and bytes per part of an SPD cycle against XLA's own
+`cost_analysis()` of the compiled programs, from abstract shapes (no weight is made: any model size).
+
+    python -m bench.xla_costs [--config qwen3.5-4b] [--n 8] [--context 1024] [--dtype float32] [--json]
+
+Parts, each compiled for one token at a cache of --context positions (the cache the programs read whole):
+  stage s        the engine's stage program as it runs (`stages.stage_forward`: the stage's stacked weights
+                 indexed per slot, a `lax.switch` over the layer kinds per slot) against
+                 `models.costs.layer_costs` summed over stage s's layers; and "its layers": each of them
+                 compiled alone at a static kind (`decoder.attention_layer`, `decoder.linear_layer`)
+  verify shard   final norm + one device's ceil(V / n) rows of the LM head, as the engine reads them (its
+                 block where the head is split by rows, else a slice of the whole head), against `head_cost`
+  psm body       the random PSM's draft over the n + 1 rows of a full pipeline (`PSM.draft_hidden`; its Ls
+                 layers a scan, whose body XLA counts once: the rest added) against `cycle_costs`' psm_body
+  psm head shard the same over the PSM's head
+and the cycle (every stage, the PSM body, both heads' shards on every device) summed. XLA counts the bytes
+of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
+model counts weights and caches read once. Where they part (on XLA:CPU) is said per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+
+from spd_jax.config import ATTENTION, LINEAR, ModelConfig
+from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
+from spd_jax.models import decoder, schema
+from spd_jax.models.costs import head_cost, layer_costs
+from spd_jax.models.layers import rope_cos_sin
+from spd_jax.pipeline import stages
+from spd_jax.pipeline.costs import cycle_costs, default_plan
+
+NOTES = {
+    "stage": "XLA:CPU copies each stacked weight's slot out (a dynamic slice) before its dot; a switch counts as "
+             "its costliest branch",
+    "bf16": "XLA:CPU converts each bf16 weight to float32 before its matrix-vector dot (2 + 4 + 4 bytes a weight)",
+    "head": "the shard's rows are sliced out of the replicated head (a dynamic slice) before the dot",
+}
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _cost(fn, *args) -> dict:
+    """XLA's flops and bytes accessed of fn compiled for args (abstract)."""
+    ca = jax.jit(fn).lower(*args).compile().cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    return dict(flops=float(ca.get("flops", 0.0)), bytes=float(ca.get("bytes accessed", 0.0)))
+
+
+def layer_program(cfg: ModelConfig, kind: str, context: int, dtype, rows: int = 1) -> dict:
+    """One layer of kind on `rows` tokens at a static kind, per-layer weights (no stack)."""
+    lp = {k: _sds(leaf.shape, dtype) for k, leaf in schema.layer_schema(cfg, kind).items()}
+    x, pos = _sds((1, rows, cfg.hidden_size), dtype), _sds((), jnp.int32)
+    if kind == ATTENTION:
+        kv = _sds((1, cfg.num_kv_heads, context, cfg.head_dim), dtype)
+
+        def attn(lp, k, v, x, pos):
+            cos, sin = rope_cos_sin(cfg, pos + jnp.arange(rows))
+            return decoder.attention_layer(lp, x, k, v, pos, cos, sin, cfg)
+
+        return _cost(attn, lp, kv, kv, x, pos)
+    lc = cfg.linear
+    conv = _sds((1, lc.conv_kernel - 1, lc.conv_dim), dtype)
+    ssm = _sds((1, lc.num_v_heads, lc.k_dim, lc.v_dim), jnp.float32)
+    return _cost(lambda lp, x, conv, ssm: decoder.linear_layer(lp, x, conv, ssm, None, cfg), lp, x, conv, ssm)
+
+
+def stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dtype) -> dict:
+    """The engine's stage program (one device's), one token."""
+    w = {kind: {k: _sds((m, *leaf.shape), dtype) for k, leaf in schema.layer_schema(cfg, kind).items()}
+         for kind, m in layout.max_per_kind}
+    cache = jax.eval_shape(lambda: jax.tree.map(lambda t: t[0], stages.init_stage_caches(
+        cfg, layout, 1, context, layout.plan.n, dtype)))
+    prog = {k: _sds((layout.slots,), jnp.int32) for k in ("kind_id", "kind_index", "anchor_id")}
+    fn = functools.partial(stages.stage_forward, cfg=cfg, layout=layout)
+    return _cost(fn, w, cache, prog, _sds((1, 1, cfg.hidden_size), dtype), _sds((), jnp.int32))
+
+
+def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype) -> dict:
+    """Final norm + one device's rows of a [vocab, H] head as the engine reads them: its block where the head is
+    split by rows (devices divide vocab), else sliced out of the whole head."""
+    rows = -(-vocab // devices)
+    split = vocab % devices == 0
+
+    def fn(h, norm, head, start):
+        return decoder.head_logits(h, norm, head, cfg, start, rows)
+
+    H = cfg.hidden_size
+    return _cost(fn, _sds((H,), dtype), _sds((H,), dtype), _sds((rows if split else vocab, H), dtype),
+                 _sds((), jnp.int32))
+
+
+def psm_body(cfg: ModelConfig, spec: PSMConfig, context: int, dtype) -> dict:
+    """The PSM's draft over n + 1 rows (up to its head) on its cache of `context` positions."""
+    target = jax.eval_shape(lambda: schema.init_params(cfg, jax.random.key(0), dtype))
+    variables = jax.eval_shape(lambda t: init_psm(cfg, spec, t, 0, dtype), target)
+    cache = jax.eval_shape(lambda: decoder.init_cache(cfg, 1, context, dtype, kinds=(ATTENTION,) * spec.num_layers).kv)
+    R, i32 = spec.n + 1, jnp.int32
+
+    def fn(variables, h, cache, pc, t, completed):
+        return PSM(cfg, spec).apply(variables, h, cache, pc, t, completed, method=PSM.draft_hidden)
+
+    return _cost(fn, variables, _sds((R, spec.m, cfg.hidden_size), dtype), cache, _sds((), i32), _sds((), i32),
+                 _sds((), i32))
+
+
+def compare(name: str, n: int, context: int, dtype: str = "float32") -> list[dict]:
+    """Rows (part, model and XLA flops and bytes, their ratios, a note)."""
+    cfg = ModelConfig.named(name)
+    pb = jnp.dtype(dtype).itemsize
+    plan = default_plan(cfg, n)
+    spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2)
+    layout = stages.StageLayout.of(cfg, plan, spec.anchors)
+    cc = cycle_costs(cfg, plan, spec, context, pb)
+    layers = layer_costs(cfg, context, pb, pb)
+    per_kind = {kind: layer_program(cfg, kind, context, dtype) for kind in schema.layer_kinds(cfg)}
+    program = stage_program(cfg, layout, context, dtype)  # one SPMD program: every stage runs it
+    low = NOTES["bf16"] if pb < 4 else ""
+    rows = []
+
+    def row(part, model_flops, model_bytes, xla, note=""):
+        rows.append(dict(part=part, model_flops=model_flops, xla_flops=xla["flops"], flops_ratio=xla["flops"] / model_flops,
+                         model_bytes=model_bytes, xla_bytes=xla["bytes"], bytes_ratio=xla["bytes"] / model_bytes,
+                         note="; ".join(x for x in (note, low) if x)))
+
+    for s, (a, b) in enumerate(plan.bounds):
+        mine = layers[a:b]
+        fl, by = sum(c.flops for c in mine), sum(c.bytes for c in mine)
+        kinds = cfg.layer_types[a:b]
+        alone = {k: sum(per_kind[kind][k] for kind in kinds) for k in ("flops", "bytes")}
+        row(f"stage {s} ({kinds.count(LINEAR)} linear, {kinds.count(ATTENTION)} attention): its layers", fl, by, alone)
+        row(f"stage {s}: the engine's stage program", fl, by, program, NOTES["stage"])
+    verify = head_shard(cfg, cfg.vocab_size, cc.devices, dtype)
+    sliced = cfg.vocab_size % cc.devices != 0
+    row("verify head shard", cc.head_shard.flops, cc.head_shard.bytes, verify, NOTES["head"] if sliced else "")
+    # the PSM's Ls layers run in a lax.scan, whose body XLA counts once: the other Ls - 1 added from one layer's
+    # program over the same rows (its weights' slot copied out of the stack, as in a stage program)
+    raw = psm_body(cfg, spec, context, dtype)
+    layer = layer_program(cfg, ATTENTION, context, dtype, rows=spec.n + 1)
+    body = {k: raw[k] + (spec.num_layers - 1) * layer[k] for k in raw}
+    row(f"psm body ({spec.n + 1} rows)", sum(c.flops for c in cc.psm_body), sum(c.bytes for c in cc.psm_body), body,
+        f"XLA counts the {spec.num_layers} layers' scan body once: + {spec.num_layers - 1} x one layer's program; "
+        + NOTES["stage"].split(";")[0])
+    psm_head = head_shard(cfg, spec.draft_vocab or cfg.vocab_size, cc.devices, dtype)
+    row("psm head shard", cc.psm_head_shard.flops, cc.psm_head_shard.bytes, psm_head,
+        NOTES["head"] if (spec.draft_vocab or cfg.vocab_size) % cc.devices else "")
+    cyc = {k: program[k] * n + body[k] + (verify[k] + psm_head[k]) * cc.devices for k in ("flops", "bytes")}
+    heads = [cc.head_shard, cc.psm_head_shard]
+    row("cycle (all devices)", sum(c.flops for st in cc.stages for c in st) + sum(c.flops for c in cc.psm_body)
+        + cc.devices * sum(c.flops for c in heads), sum(c.bytes for st in cc.stages for c in st)
+        + sum(c.bytes for c in cc.psm_body) + cc.devices * sum(c.bytes for c in heads), cyc)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.xla_costs", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="qwen3.5-4b")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = compare(args.config, args.n, args.context, args.dtype)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{args.config}, n = {args.n}, context {args.context}, {args.dtype}, {jax.default_backend()}: "
+          "cost model vs XLA cost_analysis()")
+    print(f"| part | model GFLOP | XLA GFLOP | ratio | model MB | XLA MB | ratio | note |\n|{'---|' * 8}")
+    for r in rows:
+        print(f"| {r['part']} | {r['model_flops'] / 1e9:.3f} | {r['xla_flops'] / 1e9:.3f} | {r['flops_ratio']:.3f} | "
+              f"{r['model_bytes'] / 1e6:.1f} | {r['xla_bytes'] / 1e6:.1f} | {r['bytes_ratio']:.3f} | {r['note']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
