@@ -1,7 +1,8 @@
 """Checks at a model's published size, from abstract shapes (no weight is made): the cost model's FLOPs and
 bytes per part of an SPD cycle of Qwen3.5-4B at n = 8 against XLA's own `cost_analysis()` of the compiled
-programs (`bench.xla_costs`). Marked `scale`: not in the default run (about a minute of compiling); CI runs it
-as a step of its own. The full run on a random checkpoint is `python -m bench.scale` (docs/scale.md)."""
+programs (`bench.xla_costs`, about a minute of compiling); and `bench.scale` end to end on a tiny config (about
+two minutes). Marked `scale`: not in the default run; CI runs them as a step of its own. The full run at 4B is
+`python -m bench.scale --config qwen3.5-4b --n 8` (docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def test_bytes_within_10_percent_of_xla_per_stage_and_head(rows):
             assert abs(r["bytes_ratio"] - 1) <= 0.10, (part, r)
         else:
             assert r["bytes_ratio"] >= 0.95, (part, r)
+
+
+def test_bench_scale_end_to_end_on_a_small_config():
+    """`bench.scale` as the full run takes it, on tiny Qwen3.5 at n = 2 (every phase a process of its own, `spd` and
+    `tp` two): the greedy tokens of spd, ar and tp equal, the training loss finite, the step's gradient norm that
+    of the loss computed query by query."""
+    from bench import scale
+
+    assert scale.main(["--config", "tiny-qwen3_5", "--n", "2", "--prompt", "40", "--train-seq", "64"]) == 0
