@@ -138,8 +138,9 @@ def load_model(name_or_path: str | Path = defaults.DEFAULT_MODEL, dtype: str = "
     Without mesh: whole arrays on the default device. With mesh and rules (`spd_jax.sharding`): every
     leaf placed with the sharding its logical axes get under rules, each device reading only its slice
     from disk (e.g. `model_mesh(n)` with `TP_RULES` for method="tp"). With stage rules
-    (`stage_mesh(n)`, `STAGE_RULES`) only the embedding, final norm and head are loaded (replicated); the
-    pipeline reads each stage's layers onto that stage's device when it first runs."""
+    (`stage_mesh(n)`, `STAGE_RULES`) only the embedding, final norm and head are loaded (split by vocabulary
+    rows where the devices divide the vocabulary, else replicated); the pipeline reads each stage's layers
+    onto that stage's device when it first runs."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if (mesh is None) != (rules is None):
