@@ -26,8 +26,8 @@ STAGE, MODEL, DATA = "stage", "model", "data"
 Rules = tuple[tuple[str, str], ...]  # (logical axis, mesh axis); hashable, so a jit static argument
 
 # Pipeline: stage-stacked weights, caches and programs carry a leading "stage" logical axis; the embedding and
-# LM head are split by vocabulary rows over the same devices (each computes its rows' logits; a lookup is an
-# all-reduce), where their count divides the vocabulary.
+# LM head are split by vocabulary rows over the same devices (each computes its rows' logits and looks up the
+# rows it holds: decode.spd), where their count divides the vocabulary.
 STAGE_RULES: Rules = (("stage", STAGE), ("vocab", STAGE))
 # Tensor parallel (Megatron-style): attention heads and MLP columns split, so the attention-out and
 # MLP-down matmuls contract over a split axis and end in one all-reduce each; the vocabulary split
