@@ -146,8 +146,12 @@ class AR(Method):
                                     lambda: ar.prefill.lower(*pre_args, **pre_statics))
         loop_statics = dict(statics, out_len=out_len, stream=stream is not None)
         loop_key = ("loop", cache_len, eos_arr.shape, model.dtype, placement, *loop_statics.items())
-        # Shapes only, for lowering: the real caches come out of prefill (donated into the loop).
-        caches = jax.eval_shape(lambda: decoder.split_cache(decoder.init_cache(cfg, 1, cache_len, model.dtype), cfg))
+        # Shapes only, for lowering: the real caches come out of prefill (donated into the loop), placed as
+        # prefill places them (else the loop may choose another split of a cache prefill left whole)
+        caches = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              jax.eval_shape(lambda: decoder.split_cache(decoder.init_cache(cfg, 1, cache_len,
+                                                                                            model.dtype), cfg)),
+                              pre.output_shardings[1])
         loop_args = (layers, head, jnp.int32(0), plen, caches, jnp.int32(max_new_tokens), eos_arr, rt)
         loop, c2 = self.compiled.get(loop_key, lambda: ar.decode_loop.lower(*loop_args, **loop_statics))
         compile_from = compile_source(events, c1 + c2)  # now: the run's own eager ops also touch the cache

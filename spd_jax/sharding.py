@@ -32,9 +32,11 @@ STAGE_RULES: Rules = (("stage", STAGE), ("vocab", STAGE))
 # Tensor parallel (Megatron-style): attention heads and MLP columns split, so the attention-out and
 # MLP-down matmuls contract over a split axis and end in one all-reduce each; the vocabulary split
 # for the embedding and the LM head (logits stay split until the argmax / sampling reduces them).
-# Gated DeltaNet mixers stay replicated: their conv channels pack q|k|v, which a column split would
-# cut across heads.
-TP_RULES: Rules = (("q_heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
+# Gated DeltaNet mixers split by heads as attention's are: their q|k|v conv channels grouped by key head
+# (`schema.qkv_groups`), the value heads' projections, gates and state with them, the output projection
+# contracting over the split heads.
+TP_RULES: Rules = (("q_heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL), ("conv", MODEL),
+                   ("v_heads", MODEL))
 # Data parallel: the batch split, weights replicated.
 DP_RULES: Rules = (("batch", DATA),)
 # PSM training on a `data x model` mesh: batches split over `data`, the frozen target split over

@@ -37,7 +37,7 @@ def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
     """Weights used as matmul operands (one multiply-add each per token): every 2-D leaf but the
     depthwise conv kernel."""
     return sum(int(np.prod(leaf.shape)) for leaf in leaves.values()
-               if len(leaf.shape) == 2 and leaf.transform is not schema.CONV)
+               if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes)
 
 
 def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 2, cache_bytes: int = 2,

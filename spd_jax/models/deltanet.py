@@ -182,10 +182,11 @@ def gated_deltanet(lp: dict, x: jax.Array, conv_prev: jax.Array, s_prev: jax.Arr
     else:
         conv_new = jax.lax.dynamic_slice_in_dim(full, length, K - 1, axis=1)
 
-    ks, vs = lc.key_size, lc.value_size
-    q = conv[..., :ks].reshape(B, T, lc.num_k_heads, lc.k_dim).astype(jnp.float32)
-    k = conv[..., ks:2 * ks].reshape(B, T, lc.num_k_heads, lc.k_dim).astype(jnp.float32)
-    v = conv[..., 2 * ks:].reshape(B, T, lc.num_v_heads, lc.v_dim).astype(jnp.float32)
+    vs, dk = lc.value_size, lc.k_dim
+    groups = conv.reshape(B, T, lc.num_k_heads, -1)  # channels grouped by key head (`schema.qkv_groups`)
+    q = groups[..., :dk].astype(jnp.float32)  # [B, T, Hk, Dk]
+    k = groups[..., dk:2 * dk].astype(jnp.float32)
+    v = groups[..., 2 * dk:].reshape(B, T, lc.num_v_heads, lc.v_dim).astype(jnp.float32)
     q = _l2norm(q) * (lc.k_dim ** -0.5)
     k = _l2norm(k)
     rep = lc.num_v_heads // lc.num_k_heads  # value head h reads key head h // rep

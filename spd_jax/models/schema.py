@@ -49,8 +49,30 @@ class Transform:
 
 SAME = Transform("same", lambda a: a, lambda ix: ix)
 TRANSPOSE = Transform("transpose", lambda a: a.T, lambda ix: tuple(reversed(ix)))
-# depthwise conv1d weight [C, 1, K] -> [K, C]
-CONV = Transform("conv", lambda a: a[:, 0, :].T, lambda ix: (ix[1], slice(None), ix[0]))
+
+
+def qkv_groups(cfg: ModelConfig) -> np.ndarray:
+    """Gated DeltaNet's packed q|k|v channels, regrouped by key head: for each key head g, its query and key
+    channels [Dk each], then the value channels of the Hv / Hk value heads that read it -> [C]: the HF channel
+    each of ours holds. HF packs all queries, then all keys, then all values, which no contiguous split falls on
+    heads; grouped, a split into any divisor of Hk blocks gives each device whole heads (tensor parallelism)."""
+    lc = cfg.linear
+    nk, dk, dv, r = lc.num_k_heads, lc.k_dim, lc.v_dim, lc.num_v_heads // lc.num_k_heads
+    ks = lc.key_size
+    return np.concatenate([np.concatenate([g * dk + np.arange(dk), ks + g * dk + np.arange(dk),
+                                           2 * ks + g * r * dv + np.arange(r * dv)]) for g in range(nk)])
+
+
+def _grouped_qkv(cfg: ModelConfig) -> Transform:
+    """in_proj_qkv [C, H] -> [H, C] with its channels grouped by key head (`qkv_groups`)."""
+    order = qkv_groups(cfg)
+    return Transform("grouped_qkv", lambda a: a[order].T, None)
+
+
+def _grouped_conv(cfg: ModelConfig) -> Transform:
+    """conv1d [C, 1, K] -> [K, C] with its channels grouped by key head (`qkv_groups`)."""
+    order = qkv_groups(cfg)
+    return Transform("grouped_conv", lambda a: a[order, 0, :].T, None)
 
 
 def _gated_q(part: int, cfg: ModelConfig) -> Transform:
@@ -133,8 +155,10 @@ def linear_schema(cfg: ModelConfig) -> dict[str, Leaf]:
     """The mixer of a Gated DeltaNet layer (Qwen3.5 linear attention)."""
     lc, H = cfg.linear, cfg.hidden_size
     C, K, nv = lc.conv_dim, lc.conv_kernel, lc.num_v_heads
-    return {"w_qkv": _linear_w(C, H, "linear_attn.in_proj_qkv.weight", ("embed", "conv")),
-            "conv_w": Leaf((K, C), ("conv_kernel", "conv"), "linear_attn.conv1d.weight", (C, 1, K), CONV, "normal"),
+    return {"w_qkv": Leaf((H, C), ("embed", "conv"), "linear_attn.in_proj_qkv.weight", (C, H), _grouped_qkv(cfg),
+                          "normal"),
+            "conv_w": Leaf((K, C), ("conv_kernel", "conv"), "linear_attn.conv1d.weight", (C, 1, K), _grouped_conv(cfg),
+                           "normal"),
             "w_z": _linear_w(lc.value_size, H, "linear_attn.in_proj_z.weight", ("embed", "v_heads")),
             "w_b": _linear_w(nv, H, "linear_attn.in_proj_b.weight", ("embed", "v_heads")),
             "w_a": _linear_w(nv, H, "linear_attn.in_proj_a.weight", ("embed", "v_heads")),
@@ -198,7 +222,8 @@ def axis_units(cfg: ModelConfig) -> dict[str, int]:
     u = {"vocab": cfg.vocab_size, "embed": cfg.hidden_size, "mlp": cfg.intermediate_size,
          "q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": 1, "layers": cfg.num_layers}
     if cfg.linear is not None:
-        u |= {"v_heads": cfg.linear.num_v_heads, "conv": 1, "conv_kernel": 1, "v_dim": 1}
+        # the conv channels split by key-head group (`qkv_groups`), whole heads only
+        u |= {"v_heads": cfg.linear.num_v_heads, "conv": cfg.linear.num_k_heads, "conv_kernel": 1, "v_dim": 1}
     return u
 
 

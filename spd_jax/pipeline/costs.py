@@ -298,17 +298,21 @@ def tp_layer_cost(cfg: ModelConfig, kind: str, context: int, n: int, param_bytes
     axis split only where n divides its units: heads whole) -> (its LayerCost, the all-reduces of [H] it
     ends in: one per 2-D weight whose contracting (first) axis is split, e.g. attention-out and MLP-down).
     A split weight is read 1/n per device and its matmul's FLOPs split with it; attention's context FLOPs
-    and KV cache split with the query and KV heads; a Gated DeltaNet mixer (not in the rules) stays whole."""
+    and KV cache split with the query and KV heads; a Gated DeltaNet mixer's state FLOPs and bytes with its
+    value heads."""
     full, units = kind_cost(cfg, kind, context, param_bytes, cache_bytes), schema.axis_units(cfg)
     weights = mm_flops = full_mm = 0.0
     all_reduces = 0
     for leaf in schema.layer_schema(cfg, kind).values():
         split, size = _tp_split(leaf.axes, n, units), float(np.prod(leaf.shape))
         weights += size / (n if MODEL in split else 1)
-        if len(leaf.shape) == 2 and leaf.transform is not schema.CONV:  # a matmul operand
+        if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes:  # a matmul operand
             full_mm, mm_flops = full_mm + 2 * size, mm_flops + 2 * size / (n if MODEL in split else 1)
             all_reduces += split[0] == MODEL
-    heads, kv = (kind == ATTENTION and MODEL in _tp_split((axis,), n, units) for axis in ("q_heads", "kv_heads"))
+    if kind == ATTENTION:
+        heads, kv = (MODEL in _tp_split((axis,), n, units) for axis in ("q_heads", "kv_heads"))
+    else:  # Gated DeltaNet: the conv channels by key-head group, the state by value heads
+        heads = kv = MODEL in _tp_split(("conv",), n, units) and MODEL in _tp_split(("v_heads",), n, units)
     rest = (full.flops - full_mm) / (n if heads else 1)  # the mixer's context or state FLOPs
     return LayerCost(kind, full.params, int(mm_flops + rest), int(weights * param_bytes),
                      int(full.state_bytes / (n if kv else 1))), all_reduces

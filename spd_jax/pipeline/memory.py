@@ -10,9 +10,9 @@ and a PSM training step hold on each device once placed, by part, as the code pl
   caches: KV [max attention layers, 1, Nkv, S, D] x 2 in the model dtype, Gated DeltaNet's conv inputs
   [max linear layers, n, 1, K-1, C] in the model dtype and recurrent states [max linear layers, n, 1, Hv,
   Dk, Dv] in float32 (a ring of n saved states, for rollback); the PSM's KV cache [Ls, 1, Nkv, S, D] x 2.
-- `tp` (`methods.tp_runtime`): each leaf's shard under `TP_RULES` (Gated DeltaNet mixers and KV heads
-  that n does not divide stay whole), plus the per-layer decode copy of the layers (`decoder.decode_layers`:
-  the layers twice); caches split like the KV heads, the Gated DeltaNet states (ring 1) whole.
+- `tp` (`methods.tp_runtime`): each leaf's shard under `TP_RULES` (heads that n does not divide stay whole),
+  plus the per-layer decode copy of the layers (`decoder.decode_layers`: the layers twice); caches split like
+  the KV heads, the Gated DeltaNet states (ring 1) like its heads.
 - `ar`: the whole model and its per-layer decode copy, whole caches (ring 1).
 - training (`train.step`): the frozen target in the compute dtype split over `model` (`TRAIN_RULES`), the
   PSM's trained weights with their gradient and AdamW's two moments in float32, replicated, its frozen head
@@ -152,9 +152,10 @@ def tp_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int =
     mesh = AbstractMesh((n,), (MODEL,))
     layers, heads = _layers_sharded(cfg, TP_RULES, mesh)
     kv_split = n if cfg.num_kv_heads % n == 0 else 1
+    lin_split = n if cfg.linear is not None and cfg.linear.num_k_heads % n == 0 else 1  # then Hv too: Hk divides Hv
     return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0,
                        _kv_bytes(cfg, cfg.num_attention_layers, cache_len, param_bytes, kv_split),
-                       _linear_bytes(cfg, cfg.num_linear_layers, 1, param_bytes), 0)
+                       _linear_bytes(cfg, cfg.num_linear_layers, 1, param_bytes) // lin_split, 0)
 
 
 def ar_device_bytes(cfg: ModelConfig, cache_len: int, param_bytes: int = 2) -> DeviceBytes:
