@@ -72,18 +72,41 @@ def test_rows_split_the_heads_and_the_table_covers_both_chips():
 
 
 def test_a_random_psm_is_made_in_its_dtype_without_a_random_head():
-    """The random PSM `spd` runs at Qwen3.5-4B's size, compiled from shapes alone: its program makes the body in
-    bfloat16 and no [V, H] head (the target's replaces it). Before: 3.8 GB of outputs (the body and a random head in
-    float32), 9.6 GB of temporaries."""
+    """The random PSM `spd` runs at Qwen3.5-4B's size, compiled from shapes alone: its programs make the body in
+    bfloat16 and no [V, H] head (the target's replaces it), one top-level leaf per program, so no program's
+    temporaries exceed a few times its leaf's float32 bytes. Before: 3.8 GB of outputs (the body and a random head
+    in float32) and 9.6 GB of temporaries; then one program of the body, 2.7 GB of temporaries in every process."""
     import jax.numpy as jnp
 
     from spd_jax.drafters.psm.kind import _init_boxed
-    from spd_jax.drafters.shared import _random_params
+    from spd_jax.drafters.shared import _random_leaves
     from spd_jax.pipeline.costs import default_plan
 
     cfg = ModelConfig.named("qwen3.5-4b")
     spec = memory.random_psm(cfg, default_plan(cfg, 8))
-    made = _random_params.lower(_init_boxed, cfg, spec, 0, jnp.dtype("bfloat16")).compile().memory_analysis()
-    assert made.output_size_in_bytes == pytest.approx(memory.psm_params(cfg, spec) * 2, abs=1024)  # + a pointer table
-    # temporaries: the body's float32 values and random bits (2.7 GB), no head's
-    assert made.temp_size_in_bytes < 2.5 * 4 * memory.psm_params(cfg, spec)
+    shapes = jax.eval_shape(lambda: _init_boxed(cfg, spec, 0))["params"]
+    out = temp = 0
+    for name in [k for k in shapes if k != "lm_head"]:
+        made = _random_leaves.lower(_init_boxed, cfg, spec, 0, jnp.dtype("bfloat16"), (name,)).compile().memory_analysis()
+        leaf = sum(t.size for t in jax.tree.leaves(shapes[name]))
+        out += made.output_size_in_bytes
+        assert made.temp_size_in_bytes <= 5 * 4 * leaf + (1 << 20), name  # its float32 values and random bits
+        temp = max(temp, made.temp_size_in_bytes)
+    assert out == pytest.approx(memory.psm_params(cfg, spec) * 2, rel=1e-4)  # + a pointer table per program
+    assert temp < 0.8e9
+
+
+def test_a_large_random_drafter_made_leaf_by_leaf_equals_one_program(monkeypatch):
+    import jax.numpy as jnp
+
+    from spd_jax.drafters import shared
+    from spd_jax.drafters.psm.kind import _init_boxed
+    from spd_jax.drafters.psm import PSMConfig
+
+    cfg = ModelConfig.named("tiny-qwen3_5")
+    spec = PSMConfig.for_target(cfg, (3, 3), 2)
+    whole = shared._random_params(_init_boxed, cfg, spec, 3, jnp.dtype("float32"))
+    monkeypatch.setattr(shared, "ONE_PROGRAM_BYTES", 0)
+    by_leaf = shared._random_params(_init_boxed, cfg, spec, 3, jnp.dtype("float32"))
+    assert jax.tree.structure(whole) == jax.tree.structure(by_leaf) and "lm_head" not in whole
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(by_leaf)))

@@ -90,13 +90,29 @@ class DraftHead:
 InitBoxed = Callable[[ModelConfig, object, object], dict]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _random_params(init_boxed: InitBoxed, cfg: ModelConfig, spec, seed, dtype) -> dict:
-    """The module's random params in dtype, all but its `lm_head`, which the target's replaces: dropped inside
-    the program, so XLA never makes the random head ([V, H] float32: 2.5 GB for Qwen3.5-4B) nor a float32 copy
-    of the rest."""
+# above this many bytes of float32 params, a random drafter is made one leaf per program (`_random_params`)
+ONE_PROGRAM_BYTES = 1 << 28
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _random_leaves(init_boxed: InitBoxed, cfg: ModelConfig, spec, seed, dtype, names: tuple[str, ...]) -> dict:
+    """The module's random params named `names` (top-level keys), in dtype; the others, the random `lm_head`
+    among them ([V, H] float32: 2.5 GB for Qwen3.5-4B), are dropped inside the program, so XLA never makes
+    them."""
     params = nn.unbox(init_boxed(cfg, spec, seed))["params"]
-    return jax.tree.map(lambda t: t.astype(dtype), {k: v for k, v in params.items() if k != "lm_head"})
+    return jax.tree.map(lambda t: t.astype(dtype), {k: params[k] for k in names})
+
+
+def _random_params(init_boxed: InitBoxed, cfg: ModelConfig, spec, seed, dtype) -> dict:
+    """The module's random params in dtype, all but its `lm_head`, which the target's replaces. A large
+    drafter's are made one top-level leaf per program: the values are the same (each leaf's key follows from
+    its path), and XLA's float32 temporaries are one leaf's, not the whole module's (Qwen3.5-4B's PSM: 2.7 GB
+    of them in one program, which n processes of a host make at once)."""
+    shapes = jax.eval_shape(lambda: nn.unbox(init_boxed(cfg, spec, seed))["params"])
+    names = tuple(k for k in shapes if k != "lm_head")
+    if sum(4 * t.size for k in names for t in jax.tree.leaves(shapes[k])) <= ONE_PROGRAM_BYTES:
+        return _random_leaves(init_boxed, cfg, spec, seed, dtype, names)
+    return {k: _random_leaves(init_boxed, cfg, spec, seed, dtype, (k,))[k] for k in names}
 
 
 def random_variables(init_boxed: InitBoxed, cfg: ModelConfig, spec, target_params: dict, seed: int, dtype,
