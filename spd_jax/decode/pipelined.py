@@ -116,6 +116,7 @@ def _psm_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> 
         key = ("psm_on_mesh", label, psm_cfg, layout)  # replicated once per (PSM, stage placement), not per call
         if key not in model.runtime:
             model.runtime[key] = place_psm(variables, psm_cfg, shared, model.config, rep)
+            registry.keep_placed(model, variables, model.runtime[key])
         return model.runtime[key]
 
     return EngineDraft(PSMDrafter(model.config, psm_cfg), place, psm_cfg, label)
