@@ -46,6 +46,26 @@ def enable_persistent_cache(directory: str | Path | None = None, min_compile_s: 
     return path
 
 
+def _compile(lower: Callable[[], Any]) -> Any:
+    """lower().compile(); in a job of several processes with the persistent cache on, process 0 first (it writes
+    the cache entry: JAX writes from process 0 only) and the others after it, loading its binary from disk: one
+    compile per job, not one per process at once (8 processes of a host each holding the compiler's memory and
+    a core). (`jax_share_binary_between_hosts` would do it through the job's key-value store, but hangs the
+    first cross-process device_put here.)"""
+    import jax
+
+    if jax.process_count() == 1 or not jax.config.jax_compilation_cache_dir:
+        return lower().compile()
+    from spd_jax import distributed
+
+    if jax.process_index() > 0:
+        distributed.barrier("compile: process 0 first")
+    exe = lower().compile()
+    if jax.process_index() == 0:
+        distributed.barrier("compile: process 0 first")
+    return exe
+
+
 def cache_events() -> dict[str, int]:
     """Persistent-cache hits and misses so far in this process."""
     return dict(hits=_EVENTS["cache_hits"], misses=_EVENTS["cache_misses"])
@@ -76,7 +96,7 @@ class CompileCache:
             self._entries.move_to_end(key)
             return self._entries[key], 0.0
         t0 = time.perf_counter()
-        exe = lower().compile()
+        exe = _compile(lower)
         self.compiles += 1
         seconds = time.perf_counter() - t0
         self._entries[key] = exe
