@@ -115,18 +115,19 @@ def _decode(phase: str, args, cfg: ModelConfig, pb: int, anon: _AnonPeak) -> dic
     """spd, ar or tp: load as the method's CLI would (over this job's processes), greedy tokens, the figures."""
     multi = jax.process_count() > 1
     method = methods.get(phase)
-    opts = method.options(n=args.n, spec="random")
+    opts = method.options(n=args.n, spec="random", **(dict(psm_layers=args.psm_layers) if method.staged else {}))
     mesh, rules = method.load_placement(opts, True) or (None, None)  # each device reads only its shards
     t0 = time.perf_counter()
     model = spd_jax.load_model(args.ckpt, dtype=args.dtype, mesh=mesh, rules=rules)
     jax.block_until_ready(model.params)
     load_s, load_peak = time.perf_counter() - t0, _peak_gb()
     res = spd_jax.generate(model, _prompt(cfg, args.prompt), args.new, method=phase, stop_at_eos=False, n=args.n,
-                           spec="random")  # a random PSM where the method drafts with one
+                           spec="random", **(dict(psm_layers=args.psm_layers) if method.staged else {}))  # a random PSM
     st = res.stats
     if method.staged:
         plan = plan_for(model, args.n)
-        planned = memory.spd_device_bytes(cfg, args.n, engine_cache_len(args.prompt, args.new, args.n), pb, plan)
+        planned = memory.spd_device_bytes(cfg, args.n, engine_cache_len(args.prompt, args.new, args.n), pb, plan,
+                                          memory.random_psm(cfg, plan, args.psm_layers))
         # (the random PSM model.runtime keeps on each process's default device is that device's replica: no copy)
         host = args.n * planned.total
         per_token = st["wall_s"] / st["tokens"]
@@ -171,7 +172,8 @@ def _train(args, cfg: ModelConfig, pb: int, anon: _AnonPeak) -> dict:
     load_s, load_peak = time.perf_counter() - t0, _peak_gb()
     plan = plan_for(model, args.n)
     # random PSM layers (the target's are random too): a small target may have fewer attention layers than Ls
-    tc = TrainConfig.of(model=str(args.ckpt), n=args.n, batch_size=1, compute_dtype=args.dtype, layers_from_target=False)
+    tc = TrainConfig.of(model=str(args.ckpt), n=args.n, batch_size=1, compute_dtype=args.dtype, layers_from_target=False,
+                        psm_layers=args.psm_layers)
     spec = PSMConfig.for_target(cfg, plan.counts, tc.drafter.psm_layers)
     rng = np.random.default_rng(1)
     mask = np.arange(args.train_seq) >= args.train_seq // 2
@@ -217,6 +219,7 @@ def _train(args, cfg: ModelConfig, pb: int, anon: _AnonPeak) -> dict:
 def _child(args) -> dict | None:
     """One phase in this process (or this worker of the phase's job) -> its figures (None: not process 0)."""
     anon = _AnonPeak()
+    spd_jax.enable_persistent_cache()  # and a job of several processes compiles each program once (distributed)
     if args.child in MULTI:
         distributed.setup(args, args.n)  # joins the phase's job, or asks for n host devices; before JAX starts
     else:
@@ -275,6 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--train-seq", type=int, default=512)
+    ap.add_argument("--psm-layers", type=int, default=2, help="the random PSM's layers Ls (spd and train)")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--dtype", default="bfloat16", choices=tuple(GRAD_NORM_BUDGET))
     ap.add_argument("--ckpt", default=None, help="write the checkpoint here once and keep it (default: a temp dir)")
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
             print(f"bench.scale: {phase} ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(prefix="spd-scale-report-") as report_dir:
                 cmd = [sys.executable, "-m", "bench.scale", "--child", phase, "--ckpt", str(ckpt), "--n", str(args.n),
-                       "--prompt", str(args.prompt), "--new", str(args.new), "--train-seq", str(args.train_seq),
+                       "--prompt", str(args.prompt), "--new", str(args.new), "--train-seq", str(args.train_seq), "--psm-layers", str(args.psm_layers),
                        "--dtype", args.dtype, "--report-dir", report_dir]
                 if phase in MULTI and not args.one_process and args.n > 1:
                     cmd += ["--processes", str(args.n)]
