@@ -358,15 +358,13 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
             best = jnp.stack([jax.lax.cond(verified, lambda h: vocab.shard_best(target_logits(h), ids_v),
                                            lambda h: none, h_verify)]
                              + ([vocab.shard_best(d_logits, d_ids)] if drafts else []))  # [1 + drafts, 2]
-            # split by rows, each shard's best token's embedding rides along (this device holds its row; a
-            # draft vocabulary's rows are not split as the embedding is: its draft is looked up below)
-            ride = (1 + drafts if token_ids is None else 1) if ec.vocab_rows else 0
-            packet = jnp.concatenate([best, vocab.as_words(own_rows(best[:ride, 1]))], axis=-1) if ride else best
+            # split by rows, each shard's best token's embedding rides along (the device holds its row)
+            packet = jnp.concatenate([best, vocab.as_words(own_rows(best[:, 1]))], axis=-1) if ec.vocab_rows else best
             every_best = vocab.gather(packet, STAGE)  # [D, 1 + drafts, 2 (+ the row's words)]
             chosen = vocab.best_of(every_best[..., :2])  # [1 + drafts]
             y, draft = chosen[0], chosen[-1] if drafts else draft
             ok = has_next & (seq[p1] == y)  # `vocab.verify_greedy`'s rule
-            rode = vocab.winner_rows(every_best[:, :ride], chosen[:ride], emb.dtype) if ride else None
+            rode = vocab.winner_rows(every_best, chosen, emb.dtype) if ec.vocab_rows else None
         else:
             if drafts:
                 draft, q = draft_sampled(d_logits, d_ids, hs, token_ids, t + 1)
@@ -377,10 +375,10 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         accept = verified & ok
         replace = verified & ~ok
         # the embedding of the token entering stage 0 next cycle (t + 1's draft, or p1's replacement)
-        if ec.greedy and ec.vocab_rows and rode.shape[0] == 1 + drafts:
-            emb_y, emb_d = rode[0], rode[-1]
-        elif ec.greedy and ec.vocab_rows:
-            emb_y, emb_d = rode[0], lookup(draft)
+        if ec.greedy and ec.vocab_rows:
+            # a draft vocabulary's rows are not split as the embedding's: the shard of the best draft row need not
+            # hold the draft's embedding row, so the draft is looked up (an all-reduce)
+            emb_y, emb_d = rode[0], (rode[-1] if token_ids is None else lookup(draft))
         else:
             emb_y, emb_d = lookup(jnp.stack([y, draft]))  # one all-reduce of both rows when split by rows
         next_t = jnp.where(replace, p1, t + 1)
