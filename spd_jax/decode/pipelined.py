@@ -237,11 +237,11 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     top_k_cap = 1 << max(sp.top_k - 1, 0).bit_length() if sp.top_k and sp.filtered and not sp.greedy else 0
     ec = EngineConfig(cfg, layout, draft.drafter, sp.greedy, sp.filtered, top_k_cap, p_pad, cache_len, psm_device,
                       vocab_rows=not shared["embed"].sharding.is_fully_replicated)
-    specs = arg_specs(args)  # where each argument lives: a drafter's own head is replicated, the target's split
-    ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat),
-            tuple(jax.tree.leaves(specs)))
+    # where the shared weights and the drafter's live: split by rows or replicated (a drafter's own head)
+    placed = (arg_specs(shared), arg_specs(dparams))
+    ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat), tuple(jax.tree.leaves(placed)))
     events = cache_events()
-    exe, compile_s = (_compiled if compiled is None else compiled).get(ckey, lambda: build(ec, mesh, specs).lower(*args))
+    exe, compile_s = (_compiled if compiled is None else compiled).get(ckey, lambda: build(ec, mesh, placed).lower(*args))
     compile_from = compile_source(events, compile_s)
 
     t0 = time.perf_counter()

@@ -124,19 +124,19 @@ class EngineConfig:
         return self.n - 1 if self.psm_device is None else self.psm_device
 
 
-def build(ec: EngineConfig, mesh, in_specs=None):
+def build(ec: EngineConfig, mesh, placed: tuple | None = None):
     """-> jitted fn(stage_w, prog, shared, drafter_params, caches, drafter_state, prompt, prompt_len,
     max_new, eos_ids, sp) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S],
     caches, drafter_state). Caches and the drafter's state ([devices, ...], one copy per device) are
-    donated. in_specs: the arguments' PartitionSpecs (`arg_specs` of the placed arguments: the shared
-    embedding and heads split by vocabulary rows where `ec.vocab_rows`); default per-stage stacks split and
-    the rest replicated."""
+    donated. placed: the PartitionSpecs of `shared` and `drafter_params` as placed (`arg_specs`: the
+    embedding and heads split by vocabulary rows where `ec.vocab_rows`, a drafter's head with them or
+    replicated); default replicated. Per-stage stacks are split, the rest replicated."""
     # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
     smap = jax.shard_map(
         body, mesh=mesh,
-        in_specs=in_specs if in_specs is not None else (st, st, rep, rep, st, st, rep, rep, rep, rep, rep),
+        in_specs=(st, st, *(placed or (rep, rep)), st, st, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
         # Varying-ness is checked: replicated values (the sequence, the bookkeeping, the decision) come
         # out of psum-broadcasts from the deciding stage, so JAX proves them identical on every stage;
@@ -146,9 +146,9 @@ def build(ec: EngineConfig, mesh, in_specs=None):
     return jax.jit(smap, donate_argnums=(4, 5))
 
 
-def arg_specs(args) -> tuple:
-    """The PartitionSpec of every placed argument of `build`'s program (each a NamedSharding on its mesh)."""
-    return jax.tree.map(lambda a: a.sharding.spec, tuple(args))
+def arg_specs(tree) -> Any:
+    """The PartitionSpec of every leaf of a placed pytree (each a NamedSharding on the engine's mesh)."""
+    return jax.tree.map(lambda a: a.sharding.spec, tree)
 
 
 def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, prompt, prompt_len, max_new,
