@@ -67,11 +67,13 @@ def test_replay_stops_at_eos_and_the_budget(deep, reference):
         replay_greedy(4, seq[:12], len(PROMPT), np.ones((12, 4), bool), NEW, eos_ids=())
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_psm_drafts_by_fill_replay_the_engines_run(deep, reference, n):
-    """A (random) PSM in the engine against its teacher-forced drafts by fill, replayed."""
+@pytest.mark.parametrize("n,h_L", [(4, False), (8, False), (4, True)])
+def test_psm_drafts_by_fill_replay_the_engines_run(deep, reference, n, h_L):
+    """A (random) PSM in the engine against its teacher-forced drafts by fill, replayed; h_L: its completed
+    rows also read the last layer's output (an anchor at L, which the last stage hands the drafter)."""
     plan = pipelined.plan_for(deep, n)
-    spec = PSMConfig.for_target(deep.config, plan.counts, num_layers=1)
+    anchors = PSMConfig.for_target(deep.config, plan.counts).anchors + ((deep.config.num_layers,) if h_L else ())
+    spec = PSMConfig.for_target(deep.config, plan.counts, num_layers=1, anchors=anchors)
     variables = init_psm(deep.config, spec, deep.params, seed=3)
     res = spd_jax.generate(deep, PROMPT, NEW, stop_at_eos=False, method="spd", n=n, spec=(spec, variables))
     assert res.token_ids == reference

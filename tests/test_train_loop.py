@@ -278,7 +278,8 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
     corpus = _corpus(llama.config.vocab_size)
     batches = train_corpus.Batches(corpus, tc)
     assert len(batches) == 5  # 40 sequences of batch 8: steps 5 .. 9 are the second epoch
-    cache = TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32")
+    cache = TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32",
+                         llama.config.num_layers)
     mesh = data_model_mesh(8, 1)
     teacher = train_step.make_teacher(llama.config, spec, mesh)
     forwards = []
@@ -308,10 +309,11 @@ def test_teacher_cache_trains_as_the_forward_does(llama, tmp_path):
     other = [(ids.copy(), m) for ids, m in corpus]
     other[0][0][0] += 1
     assert TeacherCache(tmp_path, other, str(llama.path), spec.anchors, llama.config.hidden_size,
-                        "float32").path != cache.path
+                        "float32", llama.config.num_layers).path != cache.path
     np.save(cache.path / "filled.npy", np.zeros(3, bool))
     with pytest.raises(ValueError, match="damaged cache: delete the directory"):
-        TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32")
+        TeacherCache(tmp_path, corpus, str(llama.path), spec.anchors, llama.config.hidden_size, "float32",
+                         llama.config.num_layers)
 
 
 def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_path):
@@ -319,7 +321,7 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     rng = np.random.default_rng(0)
     h = rng.normal(size=(2, 8, 2, 4)).astype(jnp.bfloat16)
     x = rng.normal(size=(2, 8, 4)).astype(jnp.bfloat16)
-    cache = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
+    cache = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16", 3)
     fail = lambda: pytest.fail("read back, not recomputed")  # noqa: E731
 
     def batch(idx, T, Q):  # as pad_batch lays it out: every position a query here
@@ -341,7 +343,7 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     # a write killed before its flag: the rows are there, unflagged, and recomputed on the next read
     cache.filled[1] = False
     cache.filled.flush()
-    again = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16")
+    again = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "bfloat16", 3)
     assert again.path == cache.path and again.coverage() == 0.5
     calls = []
     again.get([1], batch([1], 3, 3), lambda: calls.append(1) or (h[1:, :3], x[1:, :3], top[1:, :3]))
@@ -349,12 +351,33 @@ def test_teacher_cache_keeps_bfloat16_bits_and_recomputes_unflagged_rows(tmp_pat
     # the loss masks place the stored tokens: the same ids under other masks are another cache; a flagged
     # sequence without a token at one of its queries is refused, not read as no teacher token
     other = [(ids, np.arange(len(ids)) > 0) for ids, _ in corpus]
-    assert TeacherCache(tmp_path, other, "m", (0, 1), 4, "bfloat16").path != cache.path
+    assert TeacherCache(tmp_path, other, "m", (0, 1), 4, "bfloat16", 3).path != cache.path
     again.argmax[again.offsets[1] + 2] = -1
     with pytest.raises(ValueError, match="sequence 1 is flagged stored but lacks the teacher's token"):
         again.get([1], batch([1], 3, 3), fail)
     with pytest.raises(ValueError, match="method 'eagle3' reads other features"):
         TrainConfig.from_dict(dict(method="eagle3", teacher_cache=True))
+
+
+def test_teacher_cache_reads_h_L_from_the_last_hidden_state(tmp_path):
+    """A PSM whose last anchor is L (h_L) shares the cache of the same anchors without it: h_L is the last
+    hidden state the cache keeps anyway, written once and read as both."""
+    corpus = [(np.arange(n, dtype=np.int32), np.ones(n, bool)) for n in (5, 3)]
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 5, 4)).astype(np.float32)
+    h = np.concatenate([rng.normal(size=(2, 5, 2, 4)).astype(np.float32), x[:, :, None]], axis=2)  # h_L = x
+    top = np.ones((2, 5), np.int32)
+    batch = dict(tokens=np.zeros((2, 5), np.int32), query=np.tile(np.arange(5, dtype=np.int32), (2, 1)),
+                 query_mask=np.array([[1] * 5, [1] * 3 + [0] * 2], bool))
+    with_last = TeacherCache(tmp_path, corpus, "m", (0, 1, 3), 4, "float32", 3)
+    without = TeacherCache(tmp_path, corpus, "m", (0, 1), 4, "float32", 3)
+    assert with_last.path == without.path and with_last.features.shape[1] == 3  # two anchors and x
+    with_last.get([0, 1], batch, lambda: (h, x, top))
+    f = TeacherCache(tmp_path, corpus, "m", (0, 1, 3), 4, "float32", 3).get([0, 1], batch, lambda: pytest.fail("recomputed"))
+    g = without.get([0, 1], batch, lambda: pytest.fail("recomputed"))
+    assert f["anchor_states"].shape == (2, 5, 3, 4) and g["anchor_states"].shape == (2, 5, 2, 4)
+    assert np.array_equal(f["anchor_states"][0], h[0]) and np.array_equal(f["anchor_states"][1, :3], h[1, :3])
+    assert np.array_equal(g["anchor_states"][0], h[0, :, :2]) and np.array_equal(g["final_hidden"][0], x[0])
 
 
 def test_interrupted_save_resumes_from_the_previous_step(llama, tmp_path):

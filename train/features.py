@@ -11,10 +11,11 @@ uncached run recomputes them in another batch (another padded length, other neig
 reduce in another order: the two agree to float32's last bits (tests/test_train_loop.py), not bit for bit.
 
 One directory per (training sequences and their loss masks, target, anchors, dtype), under the corpus
-cache:
+cache. An anchor at the target's depth L (h_L, the last layer's output) is the last hidden state the cache
+keeps anyway, so it is not stored twice, nor keyed: PSMs with and without h_L read one cache.
 
     teacher-<key>/meta.json      what the key stands for, shapes and sizes (checked on opening)
-    teacher-<key>/features.npy   [tokens, m + 1, H]: the m anchor states, then the last layer's output
+    teacher-<key>/features.npy   [tokens, m' + 1, H]: the m' anchor states below L, then the last layer's output
     teacher-<key>/argmax.npy     [tokens] int32: the teacher's greedy next token where t + 1 is a response
                                  token (the loss's query positions), -1 elsewhere
     teacher-<key>/filled.npy     [sequences] bool: whose rows are written
@@ -55,15 +56,18 @@ def cache_key(corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str, 
 
 class TeacherCache:
     """The features of `corpus` ([(ids [T_i], mask)], the run's training sequences in Batches' indexing)
-    under directory / f"teacher-{key}"; created (sparse, all unfilled) when it does not exist."""
+    under directory / f"teacher-{key}"; created (sparse, all unfilled) when it does not exist. anchors may
+    end at num_layers (h_L): that state is read from the stored last hidden state."""
 
     def __init__(self, directory: Path, corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str,
-                 anchors: Sequence[int], hidden: int, dtype: str):
+                 anchors: Sequence[int], hidden: int, dtype: str, num_layers: int):
         if dtype not in STORED:
             raise ValueError(f"teacher_cache stores float32 or bfloat16 features, not {dtype!r}")
         self.dtype = dtype
         self.offsets = np.cumsum([0] + [len(ids) for ids, _ in corpus])
-        self.width = len(anchors) + 1  # the anchor states, then the last hidden state
+        self.reads_last = bool(anchors) and anchors[-1] == num_layers  # h_L: the stored last hidden state
+        anchors = list(anchors[:-1] if self.reads_last else anchors)
+        self.width = len(anchors) + 1  # the anchor states below L, then the last hidden state
         meta = dict(version=VERSION, model=str(model_path), anchors=list(anchors), hidden=hidden, dtype=dtype,
                     sequences=len(corpus), tokens=int(self.offsets[-1]))
         self.path = Path(directory) / f"teacher-{cache_key(corpus, model_path, anchors, hidden, dtype)}"
@@ -124,9 +128,12 @@ class TeacherCache:
                                      "a response position (a damaged cache: delete the directory to rebuild it)")
             if self.dtype == "bfloat16":
                 out = out.view(ml_dtypes.bfloat16)
-            return dict(anchor_states=out[:, :, :-1], final_hidden=out[:, :, -1], teacher_argmax=top)
+            return dict(anchor_states=out if self.reads_last else out[:, :, :-1], final_hidden=out[:, :, -1],
+                        teacher_argmax=top)
         h, x, top = compute()
         h_host, x_host, top_host = np.asarray(h), np.asarray(x), np.asarray(top)  # one transfer for the batch
+        if self.reads_last:
+            h_host = h_host[:, :, :-1]  # h_L is x: stored once
         new = [(r, i) for r, i in enumerate(idx) if not self.filled[i]]
         for r, i in new:
             a, b = self.offsets[i], self.offsets[i + 1]

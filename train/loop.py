@@ -299,7 +299,7 @@ def fit(run: Run) -> None:
     teacher = features = None
     if tc.data.teacher_cache:
         features = TeacherCache(data.corpus_dir(), run.batches.corpus, str(model.path), spec.anchors,
-                                model.config.hidden_size, step.compute_dtype(tc))
+                                model.config.hidden_size, step.compute_dtype(tc), model.config.num_layers)
         teacher = step.make_teacher(model.config, spec, mesh)
         log.info("teacher cache %s: %.0f%% of the training sequences stored", features.path,
                  100 * features.coverage())
