@@ -495,6 +495,45 @@ def test_init_from_warm_starts_from_a_psm_of_this_or_another_n(llama, tiny_ckpt,
     assert train_checkpoints.warm_start_record(tmp_path / "psm2")["warm_start"] == rec  # a chain stays whole
 
 
+def test_own_head_trains_exports_and_decodes_exactly(llama, tmp_path):
+    """own_head: the PSM's head starts as the target's, trains with it (trainable, not frozen), is exported
+    with it and loaded back rather than the target's; the engine drafts with it (SPD commits exactly `ar`'s
+    tokens) and a warm start keeps it; a run with the shared head is refused that warm start."""
+    cfg = llama.config
+    tc, _, opt = _setup(llama, n=2, own_head=True)
+    plan = pipelined.plan_for(llama, 2)
+    spec = train_step.drafter_spec(llama, tc)
+    assert spec.own_head and spec.plan == plan.counts
+    state, frozen = train_step.init_state(llama, spec, tc, opt)
+    target_head = decoder.lm_head(llama.params, cfg)
+    assert "lm_head" in state["params"] and "lm_head" not in frozen["params"]
+    assert np.array_equal(state["params"]["lm_head"], target_head)
+    step = train_step.make_step(cfg, spec, tc, opt, data_model_mesh(1, 1))
+    batches = train_corpus.Batches(_corpus(cfg.vocab_size), tc)
+    losses = []
+    for i in range(4):
+        state, met = step(state, frozen, llama.params, batches.get(i))
+        losses.append(float(met["loss"]))
+    head = np.asarray(state["params"]["lm_head"])
+    assert np.isfinite(losses).all() and not np.array_equal(head, target_head)  # it trained
+    train_checkpoints.export(tmp_path / "psm", join_params(state["params"], frozen), spec, tc, {}, "1x1", 4, 0, 0.0,
+                             llama.weights_fingerprint, None)
+    meta = json.loads((tmp_path / "psm" / "psm.json").read_text())
+    assert meta["own_head"] is True and "head" not in meta
+    spec2, v2 = load_psm(tmp_path / "psm", cfg, plan.counts, llama.params)
+    assert spec2 == spec
+    assert np.array_equal(np.asarray(v2["params"]["lm_head"]), np.asarray(head.astype(jnp.bfloat16), np.float32))
+    prompt = [int(t) for t in _corpus(cfg.vocab_size, n=1, seed=2)[0][0][:12]]
+    want = spd_jax.generate(llama, prompt, 12, stop_at_eos=False).token_ids
+    res = spd_jax.generate(llama, prompt, 12, method="spd", n=2, spec=str(tmp_path / "psm"), stop_at_eos=False)
+    assert res.token_ids == want
+    warm, _ = train_step.init_state(llama, spec, tc.replace(init_from=str(tmp_path / "psm")), opt)
+    assert np.array_equal(np.asarray(warm["params"]["lm_head"]), np.asarray(v2["params"]["lm_head"]))
+    shared = dataclasses.replace(spec, own_head=False)
+    with pytest.raises(ValueError, match="trained its own head.*set own_head=true"):
+        train_step.init_state(llama, shared, tc.replace(own_head=False, init_from=str(tmp_path / "psm")), opt)
+
+
 def test_eagle3_trains_through_the_same_step(llama, tmp_path):
     """method=eagle3: the training-time-test loss falls through `train_step.make_step` (the same optimiser and
     batches as the PSM's), metrics carry the first step's agreement and per-step agreement, the quick

@@ -47,9 +47,10 @@ def export_name(spec: Spec) -> str:
 def weights_digest(params: dict) -> str:
     """A drafter's trained weights -> "sha256:" and 16 hex digits of sha256 over every leaf in path order:
     its path, dtype, shape and row-major bytes. The weights as a warm start loads them (float32; the
-    exported bfloat16 values cast exactly), without the LM head (the target's, not the drafter's)."""
+    exported bfloat16 values cast exactly): every leaf given (`warm_start` passes the LM head only where the
+    drafter trains its own; the target's is not the drafter's)."""
     h = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path({k: v for k, v in params.items() if k != "lm_head"})[0]
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for path, leaf in leaves:
         a = np.asarray(distributed.to_host(leaf))
         h.update(f"{jax.tree_util.keystr(path)}\0{a.dtype.str}\0{list(a.shape)}\0".encode())
@@ -68,16 +69,18 @@ def check_digest(init_from: str, found: str, expected: str | None) -> None:
 
 
 def warm_start(model, spec: Spec, tc: TrainConfig) -> tuple[dict, dict]:
-    """-> (the trained params of tc.drafter.init_from, without the LM head, as float32 copies; its record,
+    """-> (the trained params of tc.drafter.init_from, without the LM head unless the drafter trains its own
+    (`Training.trains_head`), as float32 copies; its record,
     `warm_start_record` with the weights' digest). Refuses a drafter whose shapes do not fit this run's,
     one trained for another target, and weights other than tc.drafter.init_digest names."""
     init_from = tc.drafter.init_from
     record = warm_start_record(init_from)  # refuses a directory with no exported drafter
     # the kind refuses a drafter whose shapes do not fit spec, or one for another target
-    warm = registry.of_config(spec).training.warm_start(model, spec, init_from, log)
+    training = registry.of_config(spec).training
+    warm = training.warm_start(model, spec, init_from, log)
     # copies (training donates its buffers); proj_a are {kernel} dicts
     params = {k: jax.tree.map(lambda a: jnp.array(a, copy=True), w) for k, w in warm["params"].items()
-              if k != "lm_head"}
+              if k != "lm_head" or training.trains_head(spec)}
     digest = weights_digest(params)
     check_digest(init_from, digest, tc.drafter.init_digest)
     log.info("warm start from %s: weights %s", init_from, digest)
@@ -204,11 +207,13 @@ def check_same_data(was: dict, tc: TrainConfig) -> None:
 
 def save_drafter(path: Path, variables: dict, spec: Spec, extra: dict) -> None:
     """Export trained variables to a new directory without the LM head (the target's, shared, which the
-    loaders put back: "head": "shared"), with `extra` facts (training provenance) in its JSON: `store.save`
-    of the spec's kind (psm.json, eagle3.json)."""
-    variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
-    extra = dict(extra, head="shared")
-    store.save(registry.of_config(spec), path, variables, spec, extra)
+    loaders put back: "head": "shared") unless the drafter trained its own, with `extra` facts (training
+    provenance) in its JSON: `store.save` of the spec's kind (psm.json, eagle3.json)."""
+    kind = registry.of_config(spec)
+    if not kind.training.trains_head(spec):
+        variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
+        extra = dict(extra, head="shared")
+    store.save(kind, path, variables, spec, extra)
 
 
 def read_run(out: Path) -> dict:

@@ -59,7 +59,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. anchor_norm are the PSM's
+    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. own_head are the PSM's
     n: int = 8  # pipeline depth the PSM is trained for
     stages: tuple[int, ...] | None = None  # per-stage layer counts; default: what infer.generate plans
     psm_layers: int = 2
@@ -68,6 +68,8 @@ class DrafterConfig:
     # RMS-normalise each anchor state (a learned gain per anchor) before the PSM's projections: the
     # target's states differ in scale by orders of magnitude across depths (docs/training.md)
     anchor_norm: bool = False
+    # the PSM trains its own LM head from the target's (exported with it) instead of sharing the target's frozen one
+    own_head: bool = False
     # V': head over the V' most frequent response tokens of the training data (0: the whole vocabulary);
     # the loss is then the KL of the teacher restricted (renormalised) to them
     draft_vocab: int = 0
@@ -295,6 +297,9 @@ class TrainConfig:
         if dr.hard_weight and not dr.kind.staged:
             raise ConfigError(f"hard_weight is a term of the PSM's loss; method {dr.method!r} trains on the KL alone "
                               "(set hard_weight=0)")
+        if dr.own_head and not dr.kind.staged:
+            raise ConfigError(f"own_head trains the PSM's head; method {dr.method!r} shares the target's (set "
+                              "own_head=false)")
         if da.teacher_cache and not dr.kind.staged:
             raise ConfigError(f"teacher_cache holds a PSM's anchor states; method {dr.method!r} reads other features "
                               "(set teacher_cache=false)")

@@ -84,7 +84,8 @@ def loss_fn(cfg, spec: Spec, tc: TrainConfig):
 
 def frozen_axes(cfg, spec: Spec) -> dict:
     """The logical axes of the frozen variables `split_params` leaves (the shared head, vocabulary ids)."""
-    return split_params(registry.of_config(spec).training.axes(cfg, spec))[1]
+    training = registry.of_config(spec).training
+    return split_params(training.axes(cfg, spec), training.trains_head(spec))[1]
 
 
 def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
@@ -199,7 +200,8 @@ def batch_sharding(mesh) -> NamedSharding:
 def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None, warm: dict | None = None) -> tuple[dict, dict]:
     """-> (state {params, opt, step}, frozen variables) of a new run: the drafter's initial weights, with
     tc.drafter.init_from's in their place (`checkpoints.warm_start`; `warm`: those params, already read),
-    their optimiser state, step 0. The head is the target's (frozen) at this run's vocabulary."""
+    their optimiser state, step 0. The head is the target's at this run's vocabulary: frozen, or the drafter's
+    own from there (`Training.trains_head`)."""
     kind = registry.of_config(spec)
     variables = kind.init(model.config, spec, model.params, seed=tc.run.seed, vocab_ids=vocab_ids,
                           **kind.training.init_options(tc.drafter))
@@ -207,5 +209,9 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None, warm: di
         warm, _ = checkpoints.warm_start(model, spec, tc)
     if warm is not None:
         variables["params"].update(warm)
-    trainable, frozen = split_params(variables)
+    if kind.training.trains_head(spec) and "lm_head" not in (warm or {}):
+        # a copy: training donates the drafter's buffers, and the head is the target's own array (its
+        # embedding, where tied), which the step also reads
+        variables["params"]["lm_head"] = jnp.array(variables["params"]["lm_head"], copy=True)
+    trainable, frozen = split_params(variables, kind.training.trains_head(spec))
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen

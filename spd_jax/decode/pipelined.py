@@ -87,8 +87,8 @@ def place_psm(variables: dict, psm_cfg: PSMConfig, shared_on_mesh: dict, cfg, re
     """A loaded or random PSM's variables replicated on the stage mesh. Without a draft vocabulary its
     frozen head is the target's [V, H] (`psm.target_head`): it reuses the target head already placed
     with the shared weights instead of a second copy per device (on an 8-stage CPU mesh of SmolLM2 in
-    float32, 8 x 113 MB)."""
-    if psm_cfg.draft_vocab:
+    float32, 8 x 113 MB). A PSM with its own head (`own_head`) keeps it."""
+    if psm_cfg.draft_vocab or psm_cfg.own_head:
         return put(variables, rep)
     params = {k: v for k, v in variables["params"].items() if k != "lm_head"}
     placed = put({**variables, "params": params}, rep)

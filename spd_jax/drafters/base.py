@@ -140,10 +140,13 @@ def features(emb: jax.Array, hidden: jax.Array | None, layers: Sequence[int]) ->
     return h.reshape(*h.shape[:2], -1)
 
 
-def split_params(variables: dict) -> tuple[dict, dict]:
+def split_params(variables: dict, trains_head: bool = False) -> tuple[dict, dict]:
     """Drafter variables (PSM or EAGLE-3) -> (trainable params, frozen variables): the LM head is the
-    target's (its draft vocabulary rows), shared and frozen; the draft vocabulary's ids ride along with it."""
+    target's (its draft vocabulary rows), shared and frozen, unless the drafter trains its own
+    (`Training.trains_head`); the draft vocabulary's ids ride along with the frozen part."""
     p = dict(variables["params"])
+    if trains_head:
+        return p, {**variables, "params": {}}
     head = p.pop("lm_head")
     return p, {**variables, "params": {"lm_head": head}}
 

@@ -51,6 +51,9 @@ class Training:
     # a spec a run recorded in its identity (JSON) -> as this version writes it: the fields added since with
     # their defaults, so an older run still resumes
     recorded_spec: Callable[[dict], dict] = lambda s: s
+    # spec -> whether the drafter's LM head trains with it (its own, exported with it) rather than being the
+    # target's, shared and frozen (`drafters.base.split_params`)
+    trains_head: Callable[[Any], bool] = lambda spec: False
 
 
 @dataclasses.dataclass(eq=False, repr=False)

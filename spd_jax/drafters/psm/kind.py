@@ -79,7 +79,7 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
         raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
                                  f"format {FORMAT}; retrain it with train.main")
     return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]),
-                     int(d.get("draft_vocab", 0)), bool(d.get("anchor_norm", False)))
+                     int(d.get("draft_vocab", 0)), bool(d.get("anchor_norm", False)), bool(d.get("own_head", False)))
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",
@@ -133,6 +133,14 @@ def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
         # the layers and head still fit; the projections learnt unnormalised states, training adapts them
         log.warning("init_from %s does not normalise its anchor states; this run does (anchor_norm): the "
                     "anchor gains start at the identity, the projections relearn their inputs' scale", init_from)
+    if was.own_head and not spec.own_head:
+        raise ValueError(f"init_from {init_from} trained its own head (own_head), this run's head is the target's: "
+                         "its layers learnt to feed its own head; set own_head=true or start without init_from")
+    if was.own_head and spec.draft_vocab:
+        # its head's rows are its own draft vocabulary's, this run's are recomputed from this run's corpus
+        raise ValueError(f"init_from {init_from} trained its own head, and this run has a draft vocabulary "
+                         f"(draft_vocab={spec.draft_vocab}) whose rows need not be its rows: warm-start an "
+                         "own head over the whole vocabulary (draft_vocab=0), or start without init_from")
     if (was.plan, was.anchors) != (spec.plan, spec.anchors):
         # A PSM for another n is still a warm start of the same shapes: the layers, the head and the
         # embedding-only projection (the drafting row's) mean the same; the staircase and what the
@@ -141,8 +149,11 @@ def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
                     "anchors %s): a warm start only", init_from, was.n, list(was.plan), list(was.anchors),
                     spec.n, list(spec.plan), list(spec.anchors))
     # the target (model) is still checked: another model's PSM is refused
-    return load_psm(init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
-                    target_weights=model.weights_fingerprint, model_name=str(model.path))[1]
+    variables = load_psm(init_from, model.config, was.plan, model.params, jnp.float32, was.anchors,
+                         target_weights=model.weights_fingerprint, model_name=str(model.path))[1]
+    if not was.own_head:  # the target's head, which the run's init already holds at its own vocabulary
+        variables = {**variables, "params": {k: v for k, v in variables["params"].items() if k != "lm_head"}}
+    return variables
 
 
 def _eval_summary(spec: PSMConfig, tokens: int, cycles: int, d: Any) -> dict:
@@ -154,7 +165,8 @@ def _eval_summary(spec: PSMConfig, tokens: int, cycles: int, d: Any) -> dict:
 TRAINING = Training(
     export_dir="psm", metric="S0",
     config=lambda cfg, plan, d: PSMConfig.for_target(cfg, plan.counts, d.psm_layers, d.anchors, d.draft_vocab,
-                                                     d.anchor_norm),
+                                                     d.anchor_norm, d.own_head),
+    trains_head=lambda spec: spec.own_head,
     loss=psm_loss, loss_options=lambda d: dict(fill_accept=d.fill_accept, hard_weight=d.hard_weight),
     axes=psm_axes, warm_start=_warm_start,
     # SPD at the PSM's own n and plan (the quick eval needs n devices: train.loop checks)
@@ -162,7 +174,8 @@ TRAINING = Training(
     eval_summary=_eval_summary,
     describe=lambda name, spec, d: (f"PSM for {name}: n={spec.n}, stages {list(spec.plan)}, anchors "
                                     f"{list(spec.anchors)}, staircase {list(spec.staircase)}, Ls={spec.num_layers}"
-                                    f"{', anchor states normalised' if spec.anchor_norm else ''}"),
+                                    f"{', anchor states normalised' if spec.anchor_norm else ''}"
+                                    f"{', its own head trained' if spec.own_head else ''}"),
     exported=lambda final, spec, step, d: (f"PSM (step {step}) written to {final} (use: python -m infer.generate "
                                            f"--n {spec.n} --spec {final})"),
     init_options=lambda d: dict(layers_from_target=d.layers_from_target),

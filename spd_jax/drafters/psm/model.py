@@ -13,6 +13,9 @@ responses (their ids in the `vocab` collection). Drafts then never propose anoth
 outside it (sampling stays lossless: verification only ever sees a q with zeros), and the head and
 the training loss over V' cost V'/V of the full ones.
 
+Optionally (`own_head`) the head is the PSM's own, trained with it from the target's rows (the reference
+trains its head; by default it is the target's, shared and frozen, and a checkpoint does not store it).
+
 Optionally (`anchor_norm`) each anchor state is RMS-normalised over H with its own learned gain before the
 projections: the target's states are badly scaled for a linear map (SmolLM2: RMS 0.12 for the embedding,
 11.5 at h_22, 28 at h_29 with one dimension near 550: scales over two orders of magnitude apart in one
@@ -68,11 +71,12 @@ class PSMConfig:
     target: tuple  # (model_type, hidden, layers, vocab, heads, kv heads): the target it belongs to
     draft_vocab: int = 0  # V': the head's size over the draft vocabulary; 0 = the target's whole vocabulary
     anchor_norm: bool = False  # RMS-normalise each anchor state (own gain per anchor) before the projections
+    own_head: bool = False  # the head is the PSM's own (trained, stored), not the target's shared frozen one
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, stage_counts: Sequence[int], num_layers: int = 2,
                    anchors: Sequence[int] | None = None, draft_vocab: int = 0,
-                   anchor_norm: bool = False) -> "PSMConfig":
+                   anchor_norm: bool = False, own_head: bool = False) -> "PSMConfig":
         plan = tuple(int(c) for c in stage_counts)
         if sum(plan) != cfg.num_layers or min(plan) < 1:
             raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
@@ -87,7 +91,7 @@ class PSMConfig:
         if not 0 <= draft_vocab <= cfg.vocab_size:
             raise ValueError(f"draft_vocab must be in 0..{cfg.vocab_size} (0: the whole vocabulary), got {draft_vocab}")
         draft_vocab = 0 if draft_vocab == cfg.vocab_size else int(draft_vocab)
-        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab, bool(anchor_norm))
+        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab, bool(anchor_norm), bool(own_head))
 
     @property
     def n(self) -> int:
