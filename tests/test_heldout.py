@@ -38,7 +38,7 @@ def test_score_is_the_mean_per_position_whatever_the_batching(llama):
         mask[rng.integers(2, 8):-1] = True
         seqs.append((ids, mask))
     state, frozen = train_step.init_state(llama, spec, tc, train_step.make_optimizer(tc))
-    got = heldout.scorer(llama, spec, tc, seqs)(state["params"], frozen)
+    got = heldout.scorer(llama, spec, tc, heldout.Teacher(llama, tc, seqs))(state["params"], frozen)
 
     # each sequence alone, its fills keyed by its index in the set
     loss = jax.jit(train_step.loss_fn(llama.config, spec, tc))
@@ -53,7 +53,18 @@ def test_score_is_the_mean_per_position_whatever_the_batching(llama):
     assert got["agreement"] == pytest.approx(agree / positions, abs=0.5 / positions)  # counts: exact
     # the score reads the weights it is given
     moved = jax.tree.map(lambda p: p * 1.5, state["params"])
-    assert heldout.scorer(llama, spec, tc, seqs)(moved, frozen)["kl"] != pytest.approx(got["kl"], rel=1e-3)
+    assert heldout.scorer(llama, spec, tc, heldout.Teacher(llama, tc, seqs))(moved, frozen)["kl"] != \
+        pytest.approx(got["kl"], rel=1e-3)
+    # by fill: the same counts split by the simulated fill, whose positions weight them back to the whole
+    by, count = np.asarray(got["agreement_by_fill"]), np.asarray(got["positions_by_fill"])
+    assert by.shape == (4,) and count.sum() == positions and (count > 0).all()
+    assert (by * count).sum() / positions == pytest.approx(got["agreement"], abs=1e-5)
+    # the teacher's features computed once at a union of anchors (one more than this PSM reads: h_L) and
+    # shared: the same scores as the forward inside the loss
+    union = tuple(sorted(set(spec.anchors) | {llama.config.num_layers}))
+    shared = heldout.scorer(llama, spec, tc, heldout.Teacher(llama, tc, seqs, anchors=union))(state["params"], frozen)
+    assert shared["kl"] == pytest.approx(got["kl"], rel=1e-5) and shared["agreement"] == got["agreement"]
+    assert shared["agreement_by_fill"] == got["agreement_by_fill"]
 
 
 def _run(tmp_path, name, **config):

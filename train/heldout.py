@@ -41,6 +41,8 @@ import numpy as np
 import spd_jax
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import positions_axis
+from spd_jax.drafters.psm.fills import teacher_states
+from spd_jax.models import decoder
 from train import checkpoints, corpus, data, distill, step
 from train.config import TrainConfig
 
@@ -135,29 +137,67 @@ def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
     return distill.regenerate(model, prompts, tc.data.max_len, batch, data.corpus_dir() / f"heldout-{key}"), repeats
 
 
-def scorer(model, spec, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=None):
-    """-> score(trainable, frozen) -> {kl, agreement}: the objective in float32 over `seqs` (sorted by
-    length into batches of BATCH, padded to `buckets`, default tc's), sequence i's fills keyed by (SEED, i)
-    and dealt over its batch's query slots (`psm.deal_fills`): the same fills for every run scored on the
-    same sequences and buckets."""
-    tc = tc.replace(compute_dtype="float32")  # one teacher for every run
-    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i][0]), i))
-    batches = [(corpus.pad_batch([seqs[i] for i in order[a:a + BATCH]], buckets or tc.data.buckets),
-                np.asarray(order[a:a + BATCH])) for a in range(0, len(order), BATCH)]
-    target = step.compute_target(model, tc)
-    loss = jax.jit(step.loss_fn(model.config, spec, tc))
+class Teacher:
+    """The held-out batches (`seqs` sorted by length into batches of BATCH, padded to `buckets`) and, for
+    PSMs, the target's features at the union of their anchors (`anchors`: every run's), computed once
+    in float32 and shared by every run and checkpoint scored: a PSM's score then runs the PSM alone."""
+
+    def __init__(self, model, tc, seqs: list[tuple[np.ndarray, np.ndarray]], buckets=None,
+                 anchors: tuple[int, ...] | None = None):
+        self.tc = tc.replace(compute_dtype="float32")  # one teacher for every run
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i][0]), i))
+        self.batches = [(corpus.pad_batch([seqs[i] for i in order[a:a + BATCH]], buckets or tc.data.buckets),
+                         np.asarray(order[a:a + BATCH])) for a in range(0, len(order), BATCH)]
+        self.target = step.compute_target(model, self.tc)
+        self.anchors, self.features = anchors, None
+        if anchors is not None:
+            teacher = jax.jit(lambda target, tokens, query: _features(model.config, anchors, target, tokens, query))
+            self.features = [teacher(self.target, b["tokens"], b["query"])
+                             for b, _ in progress_bar(self.batches, desc="held-out teacher", unit="batch")]
+
+    def batch(self, i: int, anchors: tuple[int, ...] | None) -> dict:
+        """Batch i, with the features at `anchors` (a subset of the union) when they were computed."""
+        b = self.batches[i][0]
+        if self.features is None or anchors is None:
+            return b
+        h, x, top = self.features[i]
+        pick = np.asarray([self.anchors.index(a) for a in anchors])
+        return dict(b, anchor_states=h[:, :, pick], final_hidden=x, teacher_argmax=top)
+
+
+def _features(cfg, anchors, target, tokens, query):
+    """`step.make_teacher`'s forward at these anchors, unsharded."""
+    h, x = teacher_states(target, tokens, cfg, anchors)
+    x_q = jnp.take_along_axis(x, query[..., None], axis=1)
+    return h, x, jnp.argmax(decoder.lm_logits(target, x_q, cfg), -1).astype(jnp.int32)
+
+
+def scorer(model, spec, tc, teacher: Teacher):
+    """-> score(trainable, frozen) -> {kl, agreement[, agreement_by_fill, positions_by_fill]: a PSM's, fills
+    1 .. n}: the objective
+    in float32 over the teacher's batches, sequence i's fills keyed by (SEED, i) and dealt over its batch's
+    query slots (`psm.deal_fills`): the same fills for every run scored on the same sequences and buckets."""
+    loss = jax.jit(step.loss_fn(model.config, spec, teacher.tc))
     base = jax.random.key(SEED)
+    anchors = getattr(spec, "anchors", None) if teacher.features is not None else None
 
     def score(trainable, frozen) -> dict:
         tot = collections.Counter()
-        for batch, idx in batches:
+        by_fill = [0.0, 0.0]
+        for i, (_, idx) in enumerate(teacher.batches):
             keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(idx))
-            _, sums = loss(trainable, frozen, target, batch, keys)
+            _, sums = loss(trainable, frozen, teacher.target, teacher.batch(i, anchors), keys)
             tot["kl"] += float(sums["kl_sum"])
             tot["agree"] += float(sums["agree_sum"])
             tot["positions"] += float(sums["positions"])
             tot["agree_positions"] += float(sums.get("agree_positions", sums["positions"]))
-        return dict(kl=tot["kl"] / tot["positions"], agreement=tot["agree"] / tot["agree_positions"])
+            if "agree_by_fill" in sums:
+                by_fill = [by_fill[0] + np.asarray(sums["agree_by_fill"]), by_fill[1] + np.asarray(sums["positions_by_fill"])]
+        out = dict(kl=tot["kl"] / tot["positions"], agreement=tot["agree"] / tot["agree_positions"])
+        if np.ndim(by_fill[0]):
+            out["agreement_by_fill"] = (by_fill[0] / np.maximum(by_fill[1], 1)).round(6).tolist()
+            out["positions_by_fill"] = [int(c) for c in by_fill[1]]
+        return out
 
     return score
 
@@ -175,9 +215,9 @@ def checkpoints_to_score(run: Run, steps: set[int] | None = None) -> list[int]:
     return kept if steps is None else sorted(steps)
 
 
-def score_run(model, run: Run, seqs, buckets=None, steps: list[int] = (), show_progress: bool = True) -> list[dict]:
-    """Rows {run, step, train_positions, kl, agreement} for the run's initial state and its checkpoints
-    of `steps` (`checkpoints_to_score`) by `scorer` (`buckets`: the padding every compared run shares)."""
+def score_run(model, run: Run, teacher: Teacher, steps: list[int] = (), show_progress: bool = True) -> list[dict]:
+    """Rows {run, step, train_positions, kl, agreement[, agreement_by_fill]} for the run's initial state and
+    its checkpoints of `steps` (`checkpoints_to_score`) by `scorer` on the teacher's batches."""
     tc = run.tc
     spec = step.drafter_spec(model, tc)
     vocab_ids = None
@@ -185,7 +225,7 @@ def score_run(model, run: Run, seqs, buckets=None, steps: list[int] = (), show_p
         vocab_ids = np.load(run.path / "draft_vocab.npy", allow_pickle=False)
     opt = step.make_optimizer(tc)
     state, frozen = step.init_state(model, spec, tc, opt, vocab_ids)
-    score = scorer(model, spec, tc, seqs, buckets)
+    score = scorer(model, spec, tc, teacher)
     rows = [dict(run=run.path.name, step=0, train_positions=0, **score(state["params"], frozen))]
     if not steps:
         return rows
@@ -220,6 +260,9 @@ def at_equal_positions(rows: list[dict]) -> tuple[int, dict[str, dict]]:
         hi = int(np.searchsorted(x, common))
         between = [rs[hi]["step"]] if x[hi] == common else [rs[hi - 1]["step"], rs[hi]["step"]]
         out[name] = {k: float(np.interp(common, x, [r[k] for r in rs])) for k in ("kl", "agreement")}
+        if all("agreement_by_fill" in r for r in rs):
+            by = np.asarray([r["agreement_by_fill"] for r in rs])
+            out[name]["agreement_by_fill"] = [float(np.interp(common, x, by[:, k])) for k in range(by.shape[1])]
         out[name]["between"] = between
     return common, out
 
@@ -240,6 +283,14 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
              "", "| run | differs in | steps | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {diff[name]} | {' - '.join(map(str, v['between']))} | {v['kl']:.3f} | {v['agreement']:.4f} |"
               for name, v in equal.items()]
+    fills = {len(v["agreement_by_fill"]) for v in equal.values() if "agreement_by_fill" in v}
+    if len(fills) == 1 and all("agreement_by_fill" in v for v in equal.values()):
+        n = fills.pop()
+        lines += ["", "Top-1 agreement by simulated fill (k: the draft's distance from the newest completed token), at "
+                  "the same positions:", "", "| run | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |",
+                  "|---|" + "---|" * n]
+        lines += [f"| {name} | " + " | ".join(f"{a:.4f}" for a in v["agreement_by_fill"]) + " |"
+                  for name, v in equal.items()]
     lines += ["", "Every scored state (step 0: the initial weights):", "",
               "| run | step | training positions | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['step']} | {r['train_positions']:,} | {r['kl']:.3f} | {r['agreement']:.4f} |"
@@ -299,7 +350,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, seqs, tc.data.buckets, st)]
+    specs = [step.drafter_spec(model, r.tc) for r in runs]
+    # PSMs share one teacher forward (at all their anchors); EAGLE-3 drafters' loss runs its own
+    anchors = (tuple(sorted({a for s in specs for a in s.anchors})) if all(r.tc.drafter.kind.staged for r in runs)
+               else None)
+    teacher = Teacher(model, tc, seqs, tc.data.buckets, anchors)
+    rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, teacher, st)]
     heldout = dict(offset=args.offset, count=args.count, sources=list(tc.data.sources), max_len=tc.data.max_len,
                    sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
     print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))

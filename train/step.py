@@ -96,7 +96,8 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     loss(trainable, frozen, target, batch, keys) -> (loss sum over the batch, sums) is the method's
     (default `loss_fn(cfg, spec, tc)`); sums: kl_sum, positions (the normaliser: the gradient and the
     logged loss are per position), agree_sum with agree_positions (its denominator; default positions),
-    optionally agree_by_step / positions_by_step (per unrolled draft step). Logged `positions` are the
+    optionally agree_by_step / positions_by_step (per unrolled draft step) and agree_by_fill /
+    positions_by_fill (per simulated fill: `train.heldout` reports them, the step does not). Logged `positions` are the
     update's response positions (its masks), whatever the method, so runs compare at equal data.
 
     One program over the `data x model` mesh, partitioned by XLA (GSPMD) from the shardings of its

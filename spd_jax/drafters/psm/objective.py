@@ -52,7 +52,9 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     final_hidden [B, T, H]: `teacher_states`' outputs, from the teacher cache) skips that forward; with
     teacher_argmax [B, Q] too (the teacher's greedy token at each query, from the cache) and a draft
     vocabulary, the teacher's logits are computed over the V' rows only. plain: the drafts computed query by
-    query as the engine drafts (`plain_hidden`), to check the fast path's loss and gradient."""
+    query as the engine drafts (`plain_hidden`), to check the fast path's loss and gradient. The sums: kl_sum,
+    agree_sum (top-1 agreement with the unrestricted teacher), positions, and agree_by_fill /
+    positions_by_fill [n], the same per simulated fill."""
     tokens = batch["tokens"]
     cd = target["embed"].dtype  # the compute dtype: the caller casts the frozen target once
     variables = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p,
@@ -99,4 +101,7 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
         # the restricted argmax would teach a token verification rejects
         hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == top)
         loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * hit).sum()
-    return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum())
+    # by fill k (1 .. n: the draft's distance from the newest completed token): the slots' fills are static
+    by_fill = jnp.asarray(np.concatenate([f for _, f, _ in blocks])[:, None] == np.arange(1, spec.n + 1), jnp.float32)
+    return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum(),
+                      agree_by_fill=(agree * w).sum(0) @ by_fill, positions_by_fill=w.sum(0) @ by_fill)
