@@ -102,6 +102,21 @@ def test_runs_compare_at_the_positions_all_reached():
     assert at["b"] == dict(kl=4.0, agreement=0.3, between=[5])
 
 
+def test_runs_differing_only_in_seed_are_grouped(tmp_path):
+    """by_setting: a setting's seeds pooled (mean, min, max; by fill the mean); the seed is not a setting."""
+    runs = [_run(tmp_path, f"{arm}-s{seed}", limit=400, seed=seed, **kw)
+            for arm, kw in (("base", {}), ("norm", dict(anchor_norm=True))) for seed in (0, 1, 2)]
+    equal = {r.path.name: dict(kl=5.0 + i, agreement=0.1 * (i % 3 + 1), agreement_by_fill=[0.2, 0.1 * i])
+             for i, r in enumerate(runs)}
+    got = heldout.by_setting(runs, equal)
+    assert set(got) == {"anchor_norm=False", "anchor_norm=True"}
+    base = got["anchor_norm=False"]
+    assert base["runs"] == ["base-s0", "base-s1", "base-s2"]
+    assert base["kl"] == dict(mean=6.0, min=5.0, max=7.0)
+    assert base["agreement"] == dict(mean=pytest.approx(0.2), min=0.1, max=pytest.approx(0.3))
+    assert base["agreement_by_fill"] == [pytest.approx(0.2), pytest.approx(0.1)]
+
+
 class _Tokenizer:
     def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
         assert add_generation_prompt and tokenize and len(msgs) == 1

@@ -237,10 +237,10 @@ def score_run(model, run: Run, teacher: Teacher, steps: list[int] = (), show_pro
     return rows
 
 
-def differences(runs: list[Run]) -> dict[str, str]:
+def differences(runs: list[Run], ignore: tuple[str, ...] = ()) -> dict[str, str]:
     """Run name -> the training settings that differ between the runs (defaults filled in; bookkeeping
-    keys left out; `steps` kept: it sets the learning-rate schedule)."""
-    cfgs = [{k: v for k, v in r.tc.to_flat().items() if k not in BOOKKEEPING} for r in runs]
+    keys and `ignore` left out; `steps` kept: it sets the learning-rate schedule)."""
+    cfgs = [{k: v for k, v in r.tc.to_flat().items() if k not in BOOKKEEPING + ignore} for r in runs]
     varying = [k for k in cfgs[0] if len({json.dumps(c[k], sort_keys=True) for c in cfgs}) > 1]
     return {r.path.name: ", ".join(f"{k}={c[k]}" for k in varying) or "-" for r, c in zip(runs, cfgs)}
 
@@ -267,14 +267,33 @@ def at_equal_positions(rows: list[dict]) -> tuple[int, dict[str, dict]]:
     return common, out
 
 
+def by_setting(runs: list[Run], equal: dict[str, dict]) -> dict[str, dict]:
+    """Runs that differ only in their seed, grouped: setting (the settings that differ but the seed) ->
+    {runs, kl and agreement as mean, min, max over the seeds at equal positions, agreement_by_fill's mean}."""
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for name, setting in differences(runs, ignore=("seed",)).items():
+        groups[setting].append(name)
+    out = {}
+    for setting, names in groups.items():
+        row: dict = dict(runs=names)
+        for k in ("kl", "agreement"):
+            v = [equal[name][k] for name in names]
+            row[k] = dict(mean=float(np.mean(v)), min=float(min(v)), max=float(max(v)))
+        if all("agreement_by_fill" in equal[name] for name in names):
+            row["agreement_by_fill"] = np.mean([equal[name]["agreement_by_fill"] for name in names], 0).tolist()
+        out[setting] = row
+    return out
+
+
 def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
     """Write heldout.json, heldout.md and heldout.png to `out`; -> the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     diff = differences(runs)
     common, equal = at_equal_positions(rows)
+    settings = by_setting(runs, equal)
     (out / "heldout.json").write_text(json.dumps(dict(heldout=heldout, runs={k: str(r.path) for k, r in zip(diff, runs)},
                                                       differences=diff, rows=rows, equal_positions=common,
-                                                      at_equal_positions=equal), indent=1))
+                                                      at_equal_positions=equal, by_setting=settings), indent=1))
     lines = [f"Held-out set: {heldout['sequences']} first turns (conversations {heldout['offset']} .. "
              f"{heldout['offset'] + heldout['count'] - 1} of each of {', '.join(heldout['sources'])}, less "
              f"{heldout['repeats']} repeating a training prompt), the target's greedy replies, {heldout['positions']:,} "
@@ -283,6 +302,18 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
              "", "| run | differs in | steps | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {diff[name]} | {' - '.join(map(str, v['between']))} | {v['kl']:.3f} | {v['agreement']:.4f} |"
               for name, v in equal.items()]
+    if len(settings) < len(runs):  # some runs differ only by seed: their mean and spread
+        lines += ["", "Runs that differ only in their seed, at the same positions (mean, and min .. max over the seeds; "
+                  "spread = max - min):", "",
+                  "| setting | seeds | held-out KL | top-1 agreement | agreement spread |" +
+                  (" agreement by fill k = 1 .. n (mean) |" if all("agreement_by_fill" in s for s in settings.values()) else ""),
+                  "|---|---|---|---|---|" + ("---|" if all("agreement_by_fill" in s for s in settings.values()) else "")]
+        for setting, s in settings.items():
+            kl, ag = s["kl"], s["agreement"]
+            fills_col = (" " + " / ".join(f"{a:.3f}" for a in s["agreement_by_fill"]) + " |"
+                         if "agreement_by_fill" in s else "")
+            lines.append(f"| {setting} | {len(s['runs'])} | {kl['mean']:.3f} ({kl['min']:.3f} .. {kl['max']:.3f}) | "
+                         f"{ag['mean']:.4f} ({ag['min']:.4f} .. {ag['max']:.4f}) | {ag['max'] - ag['min']:.4f} |{fills_col}")
     fills = {len(v["agreement_by_fill"]) for v in equal.values() if "agreement_by_fill" in v}
     if len(fills) == 1 and all("agreement_by_fill" in v for v in equal.values()):
         n = fills.pop()
