@@ -25,6 +25,7 @@ import argparse
 import logging
 import sys
 
+import spd_jax
 from spd_jax import distributed
 from train import config, loop
 
@@ -43,6 +44,9 @@ def parse_args(argv=None):
                     help="write the drafter of the run's checkpoint STEP (default: the last) and exit without "
                          "training: OUT/psm or OUT/drafter for the last checkpoint, OUT/psm-step<STEP> or "
                          "OUT/drafter-step<STEP> for an earlier one; the run's recorded config is used")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not use the persistent compilation cache ($SPD_JAX_CACHE/xla, default ~/.cache/spd_jax/xla)"
+                         ": a run of a recipe and shape already compiled (another seed, a resume) loads its programs")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (flat keys, or section.key)")
     distributed.add_arguments(ap)
     return ap.parse_intermixed_args(argv)  # key=value overrides may come before and after the options
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
     # make this call a no-op and drop every INFO line
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
+    if not args.no_compile_cache:
+        spd_jax.enable_persistent_cache()
     try:
         run = loop.setup(args, argv)
     except config.SETUP_ERRORS as e:
