@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -41,8 +42,6 @@ import numpy as np
 import spd_jax
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import positions_axis
-from spd_jax.drafters.psm.fills import teacher_states
-from spd_jax.models import decoder
 from train import checkpoints, corpus, data, distill, step
 from train.config import TrainConfig
 
@@ -151,7 +150,7 @@ class Teacher:
         self.target = step.compute_target(model, self.tc)
         self.anchors, self.features = anchors, None
         if anchors is not None:
-            teacher = jax.jit(lambda target, tokens, query: _features(model.config, anchors, target, tokens, query))
+            teacher = jax.jit(functools.partial(step.teacher_features, model.config, anchors))
             self.features = [teacher(self.target, b["tokens"], b["query"])
                              for b, _ in progress_bar(self.batches, desc="held-out teacher", unit="batch")]
 
@@ -163,13 +162,6 @@ class Teacher:
         h, x, top = self.features[i]
         pick = np.asarray([self.anchors.index(a) for a in anchors])
         return dict(b, anchor_states=h[:, :, pick], final_hidden=x, teacher_argmax=top)
-
-
-def _features(cfg, anchors, target, tokens, query):
-    """`step.make_teacher`'s forward at these anchors, unsharded."""
-    h, x = teacher_states(target, tokens, cfg, anchors)
-    x_q = jnp.take_along_axis(x, query[..., None], axis=1)
-    return h, x, jnp.argmax(decoder.lm_logits(target, x_q, cfg), -1).astype(jnp.int32)
 
 
 def scorer(model, spec, tc, teacher: Teacher):

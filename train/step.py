@@ -175,17 +175,20 @@ def make_step(cfg, spec: Spec, tc: TrainConfig, opt, mesh, loss=None):
     return step
 
 
-def make_teacher(cfg, spec: Spec, mesh):
-    """-> jitted (target, tokens [B, T], query [B, Q]) -> (anchor states [B, T, m, H], last hidden [B, T, H],
-    the teacher's greedy token at the query positions [B, Q] int32): the teacher forward `psm.psm_loss` runs,
-    alone, for the teacher cache (`train.features`; a staged kind's: its anchors); sharded like the step's inputs."""
-    def teacher(target, tokens, query):
-        h, x = teacher_states(target, tokens, cfg, spec.anchors)
-        x_q = jnp.take_along_axis(x, query[..., None], axis=1)
-        return h, x, jnp.argmax(decoder.lm_logits(target, x_q, cfg), -1).astype(jnp.int32)
+def teacher_features(cfg, anchors, target, tokens, query):
+    """(target, tokens [B, T], query [B, Q]) -> (anchor states [B, T, m, H] at anchors, last hidden [B, T, H],
+    the teacher's greedy token at the query positions [B, Q] int32): the teacher forward `psm.psm_loss` runs."""
+    h, x = teacher_states(target, tokens, cfg, anchors)
+    x_q = jnp.take_along_axis(x, query[..., None], axis=1)
+    return h, x, jnp.argmax(decoder.lm_logits(target, x_q, cfg), -1).astype(jnp.int32)
 
+
+def make_teacher(cfg, spec: Spec, mesh):
+    """-> jitted `teacher_features` at the drafter's anchors (a staged kind's), alone, for the teacher cache
+    (`train.features`); sharded like the step's inputs."""
     bs = batch_sharding(mesh)
-    return jax.jit(teacher, in_shardings=(target_shardings(cfg, mesh), bs, bs), out_shardings=bs)
+    return jax.jit(functools.partial(teacher_features, cfg, spec.anchors),
+                   in_shardings=(target_shardings(cfg, mesh), bs, bs), out_shardings=bs)
 
 
 def target_shardings(cfg, mesh) -> dict:
