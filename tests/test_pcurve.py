@@ -45,3 +45,11 @@ def test_cli_writes_the_fits_and_refuses_a_curve_of_one_point(tmp_path, capsys):
     assert "two or more training positions" in capsys.readouterr().err
     assert pcurve.main([str(tmp_path / "heldout.json"), "--runs", "b"]) == 2
     assert "no rows for run(s) ['b']" in capsys.readouterr().err
+    # a point from elsewhere is shown with each fit's prediction there, not fitted
+    assert pcurve.main([str(tmp_path / "heldout.json"), "--mark", "1e6:0.3:other run"]) == 0
+    mark = json.loads((tmp_path / "pcurve.json").read_text())["marks"][0]
+    assert (mark["label"], mark["positions"], mark["p"]) == ("other run", 1e6, 0.3)
+    assert mark["log-linear in p"] == pytest.approx(pcurve.predict(got["fits"]["log-linear in p"], "log-linear in p", 1e6))
+    assert json.loads((tmp_path / "pcurve.json").read_text())["fits"] == got["fits"]
+    assert pcurve.main([str(tmp_path / "heldout.json"), "--mark", "1e6"]) == 2
+    assert "POSITIONS:P:LABEL" in capsys.readouterr().err
