@@ -153,6 +153,8 @@ def pytest_terminal_summary(terminalreporter, config):
 # by CI as a step of its own (`pytest -n 2 --dist loadfile -m slow`). One list, so what leaves the
 # default run is visible.
 SLOW = {
+    "test_replay.py::test_psm_drafts_by_fill_replay_the_engines_run[8-False]": "the n=4 cases (with and without "
+    "h_L); the replay itself at n=8: test_replay_equals_the_engine_for_any_pattern_of_right_drafts",
     "test_sharding.py::test_tp_greedy_equals_ar[qwen3]": "tp on llama; Qwen3 differs by q/k norms only",
     "test_sharding.py::test_tp_greedy_equals_ar[qwen3_5]": "tp on llama; Gated DeltaNet tp in test_tp_sharded_load",
     "test_sharding.py::test_stage_rules_put_each_stage_on_its_own_device[qwen3_5]": "llama case",
