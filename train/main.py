@@ -61,7 +61,9 @@ def main(argv=None) -> int:
     # make this call a no-op and drop every INFO line
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every file it touches
-    if not args.no_compile_cache:
+    import jax
+
+    if not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:  # a caller's cache stays on
         spd_jax.enable_persistent_cache()
     try:
         run = loop.setup(args, argv)
