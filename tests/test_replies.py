@@ -71,6 +71,39 @@ def test_killed_runs_resume_and_other_settings_are_refused(tiny, prompts, tmp_pa
     assert not replies.verify(tiny, tmp_path, SETTINGS, 0)["equal"]
 
 
+def test_a_kept_corpus_resumes_without_its_prompt_list(tiny, prompts, tmp_path, monkeypatch):
+    """What git keeps (manifest and compact chunks, no prompts.npz) resumes: the prompt list is derived
+    again and checked against the manifest's digest; another list is refused."""
+    replies.run(tiny, tmp_path, SETTINGS, chunks=1, show_progress=False)
+    with np.load(tmp_path / "chunk-00000.npz") as z:
+        assert z["ids"].dtype == np.uint16  # the tiny vocabulary fits: half the bytes of int32
+    (tmp_path / "prompts.npz").unlink()
+    assert replies.run(tiny, tmp_path, SETTINGS, show_progress=False)["chunks_done"] == 2
+    assert (tmp_path / "prompts.npz").is_file()
+    (tmp_path / "prompts.npz").unlink()
+    monkeypatch.setattr(replies, "enumerate_prompts", lambda *a, **k: (["gsm8k:0:0"], prompts[:1]))
+    with pytest.raises(ValueError, match="now differ from those"):
+        replies.run(tiny, tmp_path, SETTINGS, show_progress=False)
+
+
+def test_the_committed_corpus_matches_its_manifest():
+    """Every chunk of the corpus kept in data/replies holds the tokens its manifest recorded (digest and
+    counts), so a clone trains on exactly the recorded replies."""
+    roots = sorted(p.parent for p in (replies.REPO_REPLIES).glob("*/manifest.json"))
+    assert roots, f"no corpus under {replies.REPO_REPLIES}"
+    for root in roots:
+        manifest = json.loads((root / "manifest.json").read_text())
+        files = sorted(root.glob("chunk-*.npz"))
+        assert sorted(int(f.stem.split("-")[1]) for f in files) == sorted(map(int, manifest["chunks"]))
+        for f in files:
+            with np.load(f, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            arrays["ids"] = arrays["ids"].astype(np.int32)
+            rec = manifest["chunks"][str(int(f.stem.split("-")[1]))]
+            got = replies.chunk_record(arrays)
+            assert {k: rec[k] for k in got} == got, f
+
+
 def test_batch_seeds_one_per_prompt(tiny):
     ps = [[3, 4, 5], [1, 17, 42, 99, 5]]
     got = spd_jax.generate_batch(tiny, ps, max_len=24, temperature=1.0, seed=[11, 3], stop_at_eos=False)

@@ -22,7 +22,11 @@ settings, the model (weights fingerprint, chat-template digest), the prompt list
 its sequences, response positions, the code identity that made it (digest of the modules that compute
 a token, jax version, backend) and a digest of its tokens, which `--verify` checks by regenerating.
 Greedy and sampled tokens can differ between machines after a near tie: the digests hold for the
-machine kind (and batch) that wrote them. The corpus is not committed; the manifest is its record.
+machine kind (and batch) that wrote them.
+
+Chunks are small (compressed, uint16 token ids where the vocabulary fits: about 1.3 bytes a token), so a
+corpus made on CPUs over many sessions can live in git: `prompts.npz` (tens of MB) may be left out, and a
+resume re-derives the prompt list from the sources and checks it against the manifest's digest.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ log = logging.getLogger("train.replies")
 MIN_ROOM = 16  # a prompt is answered only if it leaves at least this many tokens of max_len
 TOP_K, TOP_P = 50, 0.95  # the sampled replies' filter (T = 1)
 READERS = {"gsm8k": data.gsm8k_conversations, "sharegpt": data.read_sharegpt}
+# Corpora kept in git (manifest and chunks): CPU sessions add chunks to them, one resume at a time.
+REPO_REPLIES = Path(__file__).resolve().parents[1] / "data" / "replies"
 # The modules whose code decides a token: their digest is each chunk's code identity.
 CODE = ("spd_jax/api.py", "spd_jax/decode/ar.py", "spd_jax/decode/sampling.py", "spd_jax/models/decoder.py",
         "spd_jax/models/attention.py", "spd_jax/models/layers.py", "spd_jax/models/deltanet.py")
@@ -142,7 +148,7 @@ def read_corpus(out: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     seqs = []
     for path in sorted(Path(out).glob("chunk-*.npz")):
         with np.load(path, allow_pickle=False) as z:
-            ids, off, plen = z["ids"], z["offsets"], z["prompt_len"]
+            ids, off, plen = z["ids"].astype(np.int32), z["offsets"], z["prompt_len"]
         for a, b, n in zip(off[:-1], off[1:], plen):
             mask = np.zeros(b - a, bool)
             mask[n - 1:b - a - 1] = True
@@ -202,26 +208,43 @@ def open_corpus(model, out: Path, s: dict) -> tuple[dict, list[str], list[np.nda
             raise ValueError(f"{out} holds a corpus made with other {', '.join(diff)} ("
                              + ", ".join(f"{k}={then.get(k)!r}" for k in diff)
                              + "): give the same settings to resume it, or another --out")
+        if not (out / "prompts.npz").is_file():  # a kept corpus (manifest and chunks): derive the list again
+            names, prompts = enumerate_prompts(model, s["sources"], s["max_len"], tuple(s["heldout"]), s["limit"])
+            if tokens_digest(prompts) != manifest["prompts"]["digest"]:
+                raise ValueError(f"the prompts of {s['sources']} now differ from those {out} was made with "
+                                 "(another dataset or chat template): resume it where it was made, or use another --out")
+            write_prompts(out, names, prompts)
+            return manifest, names, prompts
         with np.load(out / "prompts.npz", allow_pickle=False) as z:
             ids, off, names = z["ids"], z["offsets"], z["names"]
         prompts = [ids[a:b] for a, b in zip(off[:-1], off[1:])]
         if tokens_digest(prompts) != manifest["prompts"]["digest"]:
-            raise ValueError(f"{out / 'prompts.npz'} does not match its manifest: delete the corpus directory "
-                             "and start again")
+            raise ValueError(f"{out / 'prompts.npz'} does not match its manifest: delete it (the prompt list is "
+                             "derived again) or start the corpus again")
         return manifest, [str(n) for n in names], prompts
     names, prompts = enumerate_prompts(model, s["sources"], s["max_len"], tuple(s["heldout"]), s["limit"])
     if not prompts:
         raise ValueError(f"no prompt of {s['sources']} fits max_len {s['max_len']}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "prompts.npz", lambda f: np.savez(
-        f, ids=np.concatenate(prompts), offsets=np.cumsum([0] + [len(x) for x in prompts]),
-        names=np.asarray(names)))
+    write_prompts(out, names, prompts)
     order = np.random.default_rng(s["seed"]).permutation(len(prompts))
     manifest = dict(settings=s, model=ident, prompts=dict(count=len(prompts), digest=tokens_digest(prompts),
                                                           order_seed=s["seed"]),
                     chunks={}, order=order.tolist())
     save_manifest(out, manifest)
     return manifest, names, prompts
+
+
+def write_prompts(out: Path, names: list[str], prompts: list[np.ndarray]) -> None:
+    write_atomic(out / "prompts.npz", lambda f: np.savez(
+        f, ids=np.concatenate(prompts), offsets=np.cumsum([0] + [len(x) for x in prompts]),
+        names=np.asarray(names)))
+
+
+def compact(arrays: dict) -> dict:
+    """A chunk's arrays as stored: token ids as uint16 where every id fits (read back as int32)."""
+    ids = arrays["ids"]
+    return dict(arrays, ids=ids.astype(np.uint16)) if ids.size and ids.max() < 2**16 and ids.min() >= 0 else arrays
 
 
 def totals(manifest: dict) -> dict:
@@ -241,7 +264,7 @@ def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: boo
     bar = progress_bar(todo, desc="reply chunks", unit="chunk", disable=not show_progress)
     for c in bar:
         arrays = generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s)
-        write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez(f, **arrays))
+        write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
         manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code)
         save_manifest(out, manifest)
         t = totals(manifest)
