@@ -86,6 +86,16 @@ def test_a_kept_corpus_resumes_without_its_prompt_list(tiny, prompts, tmp_path, 
         replies.run(tiny, tmp_path, SETTINGS, show_progress=False)
 
 
+def test_a_second_machine_starts_elsewhere_and_stops_at_its_deadline(tiny, prompts, tmp_path):
+    import time
+
+    assert replies.run(tiny, tmp_path, SETTINGS, start=1, deadline=time.time() - 1, show_progress=False)["chunks_done"] == 0
+    replies.run(tiny, tmp_path, SETTINGS, chunks=1, start=1, show_progress=False)
+    assert sorted(json.loads((tmp_path / "manifest.json").read_text())["chunks"]) == ["1"]
+    replies.run(tiny, tmp_path, SETTINGS, start=1, show_progress=False)  # wraps round to chunk 0
+    assert sorted(json.loads((tmp_path / "manifest.json").read_text())["chunks"]) == ["0", "1"]
+
+
 def test_the_committed_corpus_matches_its_manifest():
     """Every chunk of the corpus kept in data/replies holds the tokens its manifest recorded (digest and
     counts), so a clone trains on exactly the recorded replies."""

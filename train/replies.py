@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -254,15 +255,21 @@ def totals(manifest: dict) -> dict:
                 unique_positions=sum(x["unique_positions"] for x in c))
 
 
-def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: bool = True) -> dict:
-    """Generate the missing chunks (at most `chunks` of them) -> the totals."""
+def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: bool = True, start: int = 0,
+        deadline: float | None = None) -> dict:
+    """Generate the missing chunks (at most `chunks` of them), from chunk `start` on (then wrapping round
+    to the first: two machines filling one corpus start far apart), stopping after the chunk that passes
+    `deadline` (a `time.time()`) -> the totals."""
     manifest, _, prompts = open_corpus(model, out, s)
     order = np.asarray(manifest["order"])
-    todo = [c for c in range(totals(manifest)["chunks_total"]) if str(c) not in manifest["chunks"]]
+    total = totals(manifest)["chunks_total"]
+    todo = [c % total for c in range(start, start + total) if str(c % total) not in manifest["chunks"]]
     todo = todo[:chunks] if chunks is not None else todo
     code = code_identity()
     bar = progress_bar(todo, desc="reply chunks", unit="chunk", disable=not show_progress)
     for c in bar:
+        if deadline is not None and time.time() > deadline:
+            break
         arrays = generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s)
         write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
         manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code)
@@ -299,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", default="400:500", help="conversations start:stop of each source kept out")
     ap.add_argument("--limit", type=int, help="only the first LIMIT conversations of each source")
     ap.add_argument("--chunks", type=int, help="stop after this many new chunks")
+    ap.add_argument("--start-chunk", type=int, default=0, metavar="C",
+                    help="begin at chunk C (then wrap round): another machine filling the same corpus starts far away")
+    ap.add_argument("--minutes", type=float, help="start no new chunk after this many minutes")
     ap.add_argument("--verify", type=int, metavar="I", help="regenerate chunk I and compare it with the manifest")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -318,7 +328,9 @@ def main(argv=None) -> int:
         if args.verify is not None:
             print(json.dumps(verify(model, args.out, s, args.verify)))
             return 0
-        print(json.dumps(dict(out=str(args.out), **run(model, args.out, s, args.chunks))))
+        deadline = None if args.minutes is None else time.time() + 60 * args.minutes
+        print(json.dumps(dict(out=str(args.out), **run(model, args.out, s, args.chunks, start=args.start_chunk,
+                                                       deadline=deadline))))
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
