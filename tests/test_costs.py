@@ -125,10 +125,11 @@ def test_device_busy_and_predict_sanity():
     # (the embedding split by rows where the devices divide the vocabulary: each choice carries its token's row)
     assert cfg.vocab_size % n == 0
     assert cyc.collectives(cyc.cycle_costs(cfg, plan, psm, 256)) == [
-        ("ppermute", H2), ("all_gather", (psm.m + 2) * H2), ("all_gather", 2 * (8 + H2))]
-    assert cyc.collectives(plain) == [("ppermute", H2), ("all_gather", H2), ("all_gather", 8 + H2)]
+        ("ppermute", H2, "stage"), ("all_gather", (psm.m + 2) * H2, "stage"), ("all_gather", 2 * (8 + H2), "heads")]
+    assert cyc.collectives(plain) == [("ppermute", H2, "stage"), ("all_gather", H2, "stage"),
+                                      ("all_gather", 8 + H2, "heads")]
     whole = dataclasses.replace(cyc.cycle_costs(cfg, plan, psm, 256), embed_rows=False)
-    assert cyc.collectives(whole)[-1] == ("all_gather", 16)
+    assert cyc.collectives(whole)[-1] == ("all_gather", 16, "heads")
     assert "communication included" in r2["includes"]
     with pytest.raises(ValueError, match="heads must be one of"):
         cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="spread")
