@@ -106,4 +106,5 @@ def paper_ratios(hw: Hardware = H100_NVLINK, context: int = 1024) -> dict:
     cyc = costs.mesh_cycle(cfg, plan, psm, hw, context, psm_device=plan.n)
     stage = max(hw.part_s(s, stage=True) for s in cyc["costs"].stages)
     return dict(psm_over_stage=hw.part_s(cyc["costs"].psm_body) / stage, cycle_over_stage=cyc["cycle_s"] / stage,
-                paper_psm_over_stage=PAPER_PSM_MS / PAPER_STAGE_MS, paper_cycle_over_stage=PAPER_CYCLE_MS / PAPER_STAGE_MS)
+                paper_psm_over_stage=PAPER_PSM_MS / PAPER_STAGE_MS,
+                paper_cycle_over_stage=PAPER_CYCLE_MS / PAPER_STAGE_MS)

@@ -109,7 +109,8 @@ def factorisation_verdicts(rows: list[dict]) -> list[str]:
                 verdict = ("wins" if all(r["spd_tp"] >= 1 for r in at) else "loses" if all(r["spd_tp"] < 1 for r in at)
                            else "splits")
                 parts.append(f"at S0 {S0:.2f} `spd` {verdict} ({words})")
-            out.append(f"- {label}, {devices} devices, {_latency_label(cls, label)} latencies: " + "; ".join(parts) + ".")
+            out.append(f"- {label}, {devices} devices, {_latency_label(cls, label)} latencies: "
+                       + "; ".join(parts) + ".")
     return out
 
 
@@ -333,8 +334,8 @@ def projections_markdown() -> str:
               "latency to the sixth, the PCIe per-step latency to the seventh; the eighth checks the multi-node "
               "formula against NCCL's own. The rest comes from the sources, or is assumed where none was found "
               "(marked in `hardware.py`).", "",
-              "Kept out of the fit, and held by `tests/test_calibration.py` (NCCL's class within 10%): SGLang's batch-1 "
-              "decode of Llama-3-8B on H100 at TP 1 and 8, under each latency class. NCCL's model lands on it; the "
+              "Kept out of the fit, and held by `tests/test_calibration.py` (NCCL's class within 10%): SGLang's "
+              "batch-1 decode of Llama-3-8B on H100 at TP 1 and 8, under each latency class. NCCL's model lands on it; the "
               "one-shot class is faster than measured, so on H100 it is `tp`'s optimistic bound:", "",
               *_held_out_lines(), "",
               "The reference code's own cycle (docs/SPD.md, section 8: Qwen3.5-4B, n = 8, Ls = 3, the PSM on a "
