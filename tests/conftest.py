@@ -196,6 +196,10 @@ SLOW = {
     "test_spd.py::test_a_greedy_cycle_runs_three_collectives[spd-own]": "the row-split placement counts the same "
     "three; the own device's tokens: test_psm_placement_is_lossless[llama-own]",
     "test_spd.py::test_bad_input[qwen3_5]": "llama case: the errors do not depend on the layer kinds",
+    "test_spd.py::test_a_sampled_cycle_runs_what_the_cost_model_counts[spd-None]": "the top-k case counts the "
+    "same draws and reductions, and its filter's candidates",
+    "test_spd.py::test_a_sampled_cycle_runs_what_the_cost_model_counts[pipeline-None]": "the spd cases: the "
+    "drafter's draw is what a pipeline cycle lacks",
     "test_psm_train.py::test_plain_loss_and_gradient_equal_the_fast_ones": "bench.scale's gradient check (two "
     "compiled gradients, 25 s); the forward's exactness: test_train_forward_equals_engine_draft",
 }

@@ -125,10 +125,11 @@ def test_device_busy_and_predict_sanity():
     # (the embedding split by rows where the devices divide the vocabulary: each choice carries its token's row)
     assert cfg.vocab_size % n == 0
     assert cyc.collectives(cyc.cycle_costs(cfg, plan, psm, 256)) == [
-        ("ppermute", H2), ("all_gather", (psm.m + 2) * H2), ("all_gather", 2 * (8 + H2))]
-    assert cyc.collectives(plain) == [("ppermute", H2), ("all_gather", H2), ("all_gather", 8 + H2)]
+        ("ppermute", H2, "stage"), ("all_gather", (psm.m + 2) * H2, "stage"), ("all_gather", 2 * (8 + H2), "heads")]
+    assert cyc.collectives(plain) == [("ppermute", H2, "stage"), ("all_gather", H2, "stage"),
+                                      ("all_gather", 8 + H2, "heads")]
     whole = dataclasses.replace(cyc.cycle_costs(cfg, plan, psm, 256), embed_rows=False)
-    assert cyc.collectives(whole)[-1] == ("all_gather", 16)
+    assert cyc.collectives(whole)[-1] == ("all_gather", 16, "heads")
     assert "communication included" in r2["includes"]
     with pytest.raises(ValueError, match="heads must be one of"):
         cyc.predict(cfg, n, psm, _PLAIN, 256, 1.5, heads="spread")
@@ -292,3 +293,103 @@ def test_eagle3_round_projection():
         assert set(slow["parts_s"]) == {"draft", "target", "commit"}
         assert slow["round_s"] > slow["ar_step_s"]  # the k + 1 position pass reads the weights once, plus drafts
         assert cyc.predict_eagle3(cfg, 7, hw, 512, 1.0)["round_s"] > slow["round_s"]
+
+
+def test_acceptance_carries_across_depths():
+    """S0 at n = 8 read as a per-draft acceptance p (docs/SPD.md, section 3) and back; held at the
+    reference's n = 8 p, n = 4 lands at 2.53 where the reference measured 2.64 (its own n = 4 PSM): within 5%,
+    which is what projecting other depths at one p assumes."""
+    p = cyc.acceptance(3.39, 8, 4, 32)
+    assert p == pytest.approx(0.806, abs=1e-3) and 8 * cyc.alpha_at(p, 8) == pytest.approx(3.39)
+    assert 4 * cyc.alpha_at(p, 4) == pytest.approx(2.64, rel=0.05)
+    assert cyc.alpha_at(1.0, 8) == 1.0 and cyc.alpha_at(0.0, 8) == pytest.approx(1 / 8)
+
+
+def test_factorisations_of_a_device_count():
+    got = {(f.stages, f.model, f.psm_own) for f in cyc.factorisations(8)}
+    assert got == {(8, 1, False), (4, 2, False), (2, 4, False), (1, 8, False), (7, 1, True), (3, 2, True)}
+    assert all(f.devices == 8 for f in cyc.factorisations(8))
+    assert [f.method for f in (cyc.Factorisation(1, 1), cyc.Factorisation(1, 8), cyc.Factorisation(4, 2))] == [
+        "ar", "tp", "spd"]
+
+
+def test_a_mesh_of_one_model_column_is_the_pipeline():
+    """model = 1 is the engine as it runs now: the same cycle as `predict`'s, PSM on a stage or its own."""
+    cfg = ModelConfig.named("qwen3.5-0.8b")
+    plan = cyc.default_plan(cfg, 4)
+    psm = _psm_cfg(cfg, plan)
+    for d in (plan.n - 1, plan.n):
+        r = cyc.predict(cfg, 4, psm, cyc.H100_NVLINK, 512, S0=2.0, plan=plan, psm_device=d)
+        assert cyc.mesh_cycle(cfg, plan, psm, cyc.H100_NVLINK, 512, psm_device=d)["cycle_s"] == pytest.approx(
+            r["spd_cycle_s"])
+
+
+def test_stages_split_over_model_as_tp_splits_them():
+    """On a (stage, model) mesh each stage's layers are `tp`'s shares: with free links and launches a dense
+    model whose heads the width divides runs each stage's layers in 1/model of the time, and each layer ends in
+    two all-reduces of [H] along `model`, which a link latency puts on the stage's time; the PSM's layers
+    split likewise, its projections whole."""
+    cfg = ModelConfig.named("qwen3-0.6b")  # 16 query and 8 KV heads: split 2 and 4 ways
+    plan = cyc.default_plan(cfg, 4)
+    psm = _psm_cfg(cfg, plan)
+    one = cyc.cycle_costs(cfg, plan, psm, 512)
+    for m in (2, 4):
+        cc = cyc.cycle_costs(cfg, plan, psm, 512, model=m)
+        assert cc.stage_all_reduces == tuple(2 * k for k in plan.counts) and cc.psm_all_reduces == 2 * psm.num_layers
+        assert [_PLAIN.part_s(s) for s in cc.stages] == pytest.approx([_PLAIN.part_s(s) / m for s in one.stages],
+                                                                      rel=2e-3)
+        proj = [c for c in cc.psm_body if c.kind == "psm_proj"]
+        assert proj == [c for c in one.psm_body if c.kind == "psm_proj"]
+        links = dataclasses.replace(_PLAIN, link_latency_s=1e-5)
+        busy, free = cyc._busy_s(cc, links, "sharded"), cyc._busy_s(cc, _PLAIN, "sharded")
+        assert busy[0] - free[0] == pytest.approx(cc.stage_all_reduces[0] * 1e-5)
+        # the heads split over both axes: 1/(n m) of the vocabulary a device, gathered over all n m
+        both = cyc.cycle_costs(cfg, plan, psm, 512, model=m, head_axes="both")
+        assert both.head_devices == 4 * m and both.head_shard.params < cc.head_shard.params
+    with pytest.raises(ValueError, match="head_axes"):
+        cyc.cycle_costs(cfg, plan, psm, 512, model=2, head_axes="model")
+
+
+def test_mesh_nodes_and_the_best_tp_stays_in_a_node():
+    """Devices fill nodes `model` fastest: a 4 x 4 mesh on 8-GPU nodes keeps each model group in a node and
+    spans two along `stage`; on two InfiniBand nodes the best pure tp is 8 GPUs in one node (16 across both
+    pays the network on every layer), and spd may use all 16."""
+    from spd_jax.pipeline.hardware import H100_IB as ib
+    assert cyc.mesh_nodes(ib, 4, 4) == dict(model=1, stage=2, all=2, permute=2)
+    assert cyc.mesh_nodes(ib, 8, 1) == dict(model=1, stage=1, all=1, permute=1)
+    assert cyc.mesh_nodes(cyc.H100_NVLINK, 16, 1)["stage"] == 1
+    cfg = ModelConfig.named("qwen3.5-4b")
+    best = cyc.best_factorisations(cfg, 16, ib, 1024, 0.8, lambda n: 3)
+    tp16 = next(r for r in best["all"] if r["method"] == "tp" and r["devices"] == 16)
+    assert best["tp"]["devices"] == 8 and tp16["speedup"] < best["tp"]["speedup"]
+    assert best["spd"]["speedup"] == max(r["speedup"] for r in best["all"] if r["method"] == "spd")
+
+
+def test_sampled_cycle_collectives():
+    """A sampled cycle (`decode.vocab` as compiled): the greedy cycle's permute and packet all-gather, the
+    draft's Gumbel argmax and its softmax's two scalar reductions, the verification's softmax reductions, one
+    all-reduce of p(d), q(d) and the residual's mass and its draw, the two tokens' embedding rows; a filter
+    adds each draw's candidates; a draft vocabulary, its q rows (sampled) or its draft's embedding lookup
+    (greedy)."""
+    cfg = ModelConfig.named("qwen3-0.6b")
+    plan = cyc.default_plan(cfg, 4)
+
+    def kinds(cc, **kw):
+        out = {}
+        for kind, _, axis in cyc.collectives(cc, **kw):
+            out[kind, axis] = out.get((kind, axis), 0) + 1
+        return out
+
+    cc = cyc.cycle_costs(cfg, plan, _psm_cfg(cfg, plan), 512)
+    assert cc.embed_rows
+    assert kinds(cc, sampled=True) == {("ppermute", "stage"): 1, ("all_gather", "stage"): 1,
+                                       ("all_gather", "heads"): 2, ("all_reduce", "heads"): 6}
+    assert kinds(cc, sampled=True, filter_rows=64)[("all_gather", "heads")] == 4
+    plain = cyc.cycle_costs(cfg, plan, None, 512)
+    assert kinds(plain, sampled=True) == {("ppermute", "stage"): 1, ("all_gather", "stage"): 1,
+                                          ("all_gather", "heads"): 1, ("all_reduce", "heads"): 4}
+    dv = cyc.cycle_costs(cfg, plan, _psm_cfg(cfg, plan, draft_vocab=32000), 512)
+    assert dv.draft_rows == 8000 and ("all_gather", 8000 * 4, "heads") in cyc.collectives(dv, sampled=True)
+    assert cyc.collectives(dv)[-1] == ("all_reduce", cfg.hidden_size * 2, "heads")
+    links = dataclasses.replace(_PLAIN, link_latency_s=1e-3)
+    assert cyc.comm_s(cc, links, sampled=True) == pytest.approx(10e-3)

@@ -33,3 +33,12 @@ def test_readme_maps_every_doc_page():
     pages = set((ROOT / "docs").glob("*.md")) | set((ROOT / "docs").glob("*/*/README.md"))
     missing = sorted(p.relative_to(ROOT).as_posix() for p in pages if p.resolve() not in linked)
     assert not missing, f"docs pages the README's map does not link: {', '.join(missing)}"
+
+
+def test_readme_quotes_the_projections_generator():
+    """The README's cost-model figures are the generator's (`spd_jax.reports.projections.readme_line`, the
+    numbers docs/projections.md prints): a changed constant or formula fails here until the README follows."""
+    from spd_jax.reports.projections import readme_line
+
+    line = readme_line()
+    assert line in (ROOT / "README.md").read_text(), f"README.md's cost-model row is stale; it should read: {line}"

@@ -208,6 +208,29 @@ def test_a_greedy_cycle_runs_three_collectives(tiny_ckpt, method, placement):
                                                                                  "all-gather": 2}
 
 
+_HLO = {"ppermute": "collective-permute", "all_gather": "all-gather", "all_reduce": "all-reduce"}
+
+
+@pytest.mark.parametrize("method,top_k", [("spd", 5), ("spd", None), ("pipeline", None)])
+def test_a_sampled_cycle_runs_what_the_cost_model_counts(tiny_ckpt, method, top_k):
+    """A sampled cycle's collectives, as the engine compiles them, are what the cost model counts for it
+    (`pipeline.costs.collectives(sampled=True)`, which costs them): besides the greedy cycle's permute and
+    packet all-gather, the draft's and the verification's draws, softmax reductions and filter candidates,
+    and the chosen tokens' embedding rows (4 devices divide the vocabulary of 160: split by rows)."""
+    from spd_jax.pipeline import costs as cyc
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+    spd_jax.generate(model, PROMPT, 4, temperature=1.0, top_k=top_k, stop_at_eos=False, method=method, n=4,
+                     psm_layers=1, psm_placement="last")
+    plan = pipelined.plan_for(model, 4)
+    cc = cyc.cycle_costs(model.config, plan, PSMConfig.for_target(model.config, plan.counts, 1) if method == "spd"
+                         else None, 64)
+    counted = {}
+    for kind, _, _ in cyc.collectives(cc, sampled=True, filter_rows=top_k or 0):
+        counted[_HLO[kind]] = counted.get(_HLO[kind], 0) + 1
+    assert loop_collectives(methods.get(method).compiled.latest().as_text()) == counted
+
+
 def test_partition_helpers():
     assert uniform(8, 4).counts == (2, 2, 2, 2)
     assert explicit(8, [1, 4, 3]).bounds == ((0, 1), (1, 5), (5, 8))

@@ -1,14 +1,16 @@
 """The published measurements the hardware profiles (`spd_jax.pipeline.hardware`) are calibrated on, and
 the cost model's figure for each through the same formulas the projections use (`costs.ar_step_s`,
-`costs.tp_step_s`, `Hardware.all_gather_s`). `tests/test_calibration.py` holds them to a tolerance;
-`spd_jax.reports.projections` prints them. Numbers only: nothing runs or compiles here.
+`costs.tp_step_s`, `Hardware.all_gather_s`, `Hardware.all_reduce_s`); a published measurement kept out of
+the fit (`held_out`: SGLang's batch-1 tensor-parallel decode on H100), predicted under both latency classes;
+and the reference implementation's own cycle ratios (`paper_ratios`). `tests/test_calibration.py` holds them
+to their tolerances; `spd_jax.reports.projections` prints them. Numbers only: nothing runs or compiles here.
 """
 
 from __future__ import annotations
 
 from spd_jax.config import ModelConfig
 from spd_jax.pipeline import costs
-from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_NVLINK, TPU_V5E_ICI, Hardware
+from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_IB, H100_NVLINK, L40S_PCIE, TPU_V5E_ICI, Hardware
 
 # pytorch-labs/gpt-fast README.md, "Tensor Parallelism": Llama-2-7B bf16, batch 1, 8 x A100-80GB (330 W,
 # hybrid cube mesh), tokens/s on 1 / 2 / 4 / 8 GPUs; a 5-token prompt and generate.py's 200 new tokens
@@ -22,6 +24,23 @@ VLLM_CONTEXT = 343
 # jax-ml/scaling-book sharding.md, "A note on ICI latency": an all-gather of 32 kB shards over 4 TPU v5e
 # chips (3 hops), measured "closer to 8us"
 ICI_ALL_GATHER_S = 8e-6
+# NVIDIA/nccl issue 1530: nccl-tests all_reduce_perf -g 8 on 8 RTX 4090 over PCIe (no NVLink), 8 B: 42.56 us;
+# the L40S profile's per-step latency is fitted to it
+PCIE_ALL_REDUCE_S = 42.56e-6
+# NVIDIA/nccl issue 1453: NCCL's own tuner on 8-GPU H100 nodes over InfiniBand, a 128 B all-reduce:
+# "128 Bytes -> Algo 0 proto 0 time 25.214764" (Tree / LL), what its constants give: a check of the formula
+NCCL_IB_ALL_REDUCE_S = 25.214764e-6
+
+# Kept out of the fit: sgl-project/sglang issue 1008 ("Torch.compile Performance Tracking"), python3 -m
+# sglang.bench_latency --model meta-llama/Meta-Llama-3-8B --batch-size 1 --input 128 --output 8, CUDA graphs,
+# decode median latency at TP 1 and TP 8 (vocabulary-parallel head; SGLang's custom all-reduce where it
+# applies). The issue does not name the GPU; an H100 by the TP 1 step (16 GB of weights in 7.37 ms is 2.2 TB/s,
+# past an A100's 2.04 TB/s peak).
+SGLANG_LLAMA3_8B_STEP_S = {1: 7.37e-3, 8: 3.35e-3}
+SGLANG_CONTEXT = 132  # 128 prompt tokens, 8 new: the mean decode position
+# docs/SPD.md, section 8: the reference code's per-cycle time on GPUs for Qwen3.5-4B, n = 8, Ls = 3 (its
+# n + 1 set-up: the PSM on a device of its own): cycle 5.41 ms, PSM 3.49 ms, slowest stage 4.20 ms
+PAPER_CYCLE_MS, PAPER_PSM_MS, PAPER_STAGE_MS = 5.41, 3.49, 4.20
 
 
 def gpt_fast_speedups(hw: Hardware = A100_GPT_FAST) -> dict[int, float]:
@@ -31,7 +50,8 @@ def gpt_fast_speedups(hw: Hardware = A100_GPT_FAST) -> dict[int, float]:
     return {n: one / costs.tp_step_s(cfg, hw, n, GPT_FAST_CONTEXT, vocab_split=False) for n in (2, 4, 8)}
 
 
-def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: Hardware = TPU_V5E_ICI) -> list[dict]:
+def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: Hardware = TPU_V5E_ICI,
+            pcie: Hardware = L40S_PCIE, ib: Hardware = H100_IB) -> list[dict]:
     """Each calibration figure: {what, published, model, unit, source}."""
     gf_src = "pytorch-labs/gpt-fast README.md, Tensor Parallelism table"
     speedups = gpt_fast_speedups(a100)
@@ -46,4 +66,45 @@ def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: H
     out.append(dict(what="TPU v5e all-gather of 32 kB shards over 4 chips, us", unit="us",
                     published=1e6 * ICI_ALL_GATHER_S, model=1e6 * v5e.all_gather_s(32e3, 4),
                     source="jax-ml/scaling-book sharding.md, ICI latency"))
+    out.append(dict(what="NCCL all-reduce of 8 B over 8 GPUs on PCIe, us", unit="us", published=1e6 * PCIE_ALL_REDUCE_S,
+                    model=1e6 * pcie.with_latency("nccl").all_reduce_s(8, 8),
+                    source="NVIDIA/nccl issue 1530, 8 x RTX 4090 (fits the PCIe per-step latency)"))
+    out.append(dict(what="NCCL's tuner, 128 B all-reduce over 8-GPU H100 nodes on IB, us", unit="us",
+                    published=1e6 * NCCL_IB_ALL_REDUCE_S,
+                    model=1e6 * ib.with_latency("nccl").all_reduce_s(128, 16, 2),
+                    source="NVIDIA/nccl issue 1453 (NCCL's own prediction: a check of the formula)"))
     return out
+
+
+def held_out(h100: Hardware = H100_NVLINK) -> list[dict]:
+    """SGLang's batch-1 Llama-3-8B decode on H100 at TP 1 and TP 8 (kept out of every fit) against the
+    model: the TP 1 step, and the TP 8 step and speedup under each latency class ->
+    [{what, published, model, latency, unit, source}]."""
+    cfg, ctx, src = ModelConfig.named("llama-3-8b"), SGLANG_CONTEXT, "sgl-project/sglang issue 1008"
+    one = costs.ar_step_s(cfg, h100, ctx)
+    out = [dict(what="SGLang Llama-3-8B, 1 x H100, batch 1, ms/token", unit="ms", latency="-",
+                published=1e3 * SGLANG_LLAMA3_8B_STEP_S[1], model=1e3 * one, source=src)]
+    for cls in ("nccl", "one-shot"):
+        t8 = costs.tp_step_s(cfg, h100.with_latency(cls), 8, ctx)
+        out.append(dict(what="SGLang Llama-3-8B, TP 8 on H100, batch 1, ms/token", unit="ms", latency=cls,
+                        published=1e3 * SGLANG_LLAMA3_8B_STEP_S[8], model=1e3 * t8, source=src))
+        out.append(dict(what="SGLang Llama-3-8B, TP 8 speedup over TP 1", unit="x", latency=cls,
+                        published=SGLANG_LLAMA3_8B_STEP_S[1] / SGLANG_LLAMA3_8B_STEP_S[8], model=one / t8, source=src))
+    return out
+
+
+def paper_ratios(hw: Hardware = H100_NVLINK, context: int = 1024) -> dict:
+    """The reference code's cycle in the model: Qwen3.5-4B, n = 8, Ls = 3, the PSM on a device of its own
+    (the paper's n + 1), the heads as the engine splits them -> {psm_over_stage: the PSM body over the
+    slowest stage's layers, cycle_over_stage: the whole cycle (busiest device, head shards, collectives) over
+    the same, and the paper's two}."""
+    from spd_jax.drafters.psm import PSMConfig  # the drafter's config (Flax): only when counted
+
+    cfg = ModelConfig.named("qwen3.5-4b")
+    plan = costs.default_plan(cfg, 8)
+    psm = PSMConfig.for_target(cfg, plan.counts, num_layers=3)
+    cyc = costs.mesh_cycle(cfg, plan, psm, hw, context, psm_device=plan.n)
+    stage = max(hw.part_s(s, stage=True) for s in cyc["costs"].stages)
+    return dict(psm_over_stage=hw.part_s(cyc["costs"].psm_body) / stage, cycle_over_stage=cyc["cycle_s"] / stage,
+                paper_psm_over_stage=PAPER_PSM_MS / PAPER_STAGE_MS,
+                paper_cycle_over_stage=PAPER_CYCLE_MS / PAPER_STAGE_MS)

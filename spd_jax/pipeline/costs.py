@@ -12,17 +12,25 @@ engine runs (`spd_jax.decode.vocab`: every device computes 1/D of each head's ro
 choices come from each shard's max logit and its smallest id), and "last", both heads whole on the last
 stage (the engine before vocabulary-parallel heads).
 
-Collectives per cycle (`collectives`), as the engine (`spd_jax.decode.spd`) runs a greedy cycle, one after
-another over the D devices of the `stage` axis: the ppermute of each stage's output [H] to the next
-stage; one all-gather of each device's packet of [m + 2, H] values in the model dtype (its stage's output,
-the last stage's being the verified token's hidden state; rows 1..m the anchor states its stage makes,
-zeros otherwise; row m + 1 the drafter's hidden state on the drafter's device), [1, H] without a drafter
-(the plain pipeline); and one all-gather of each device's [2, 2] int32 choices (per head, its shard's
-max logit and its smallest id at that max; [1, 2] without a drafter, and with the heads whole on the last
-stage that stage's two ids). Not counted: the few scalar reductions sampling adds. `tp` keeps its own
-collectives (`tp_step_s`: an all-reduce of [H] after every split attention-out or MLP-down projection,
-one for the vocabulary-split embedding, one for the argmax over the vocabulary shards), as its placement
+Collectives per cycle (`collectives`), as the engine (`spd_jax.decode.spd`) runs a cycle, one after another,
+each along the `stage` axis or over the devices the heads' vocabulary is split over: greedy, the ppermute of
+each stage's output [H] to the next stage; one all-gather of each device's packet of [m + 2, H] values in the
+model dtype (its stage's output, the last stage's being the verified token's hidden state; rows 1..m the
+anchor states its stage makes, zeros otherwise; row m + 1 the drafter's hidden state on the drafter's
+device), [1, H] without a drafter (the plain pipeline); and one all-gather of each device's [2, 2] int32
+choices (per head, its shard's max logit and its smallest id at that max; [1, 2] without a drafter, and with
+the heads whole on the last stage that stage's two ids). Sampled, the draft's and the verification's draws
+add their filters' candidates, softmax reductions and Gumbel argmaxes, as XLA compiles them
+(tests/test_spd.py checks the counts against the compiled loop). `tp` keeps its own collectives
+(`tp_step`: an all-reduce of [H] after every split attention-out or MLP-down projection, one for the
+vocabulary-split embedding, one for the argmax over the vocabulary shards), as its placement
 (`sharding.TP_RULES`, heads split only where the device count divides them) runs them.
+
+On a (stage, model) mesh (`cycle_costs(model=...)`, `Factorisation`, `predict_factorisation`) each stage's
+layers, and the PSM's, split over `model` devices as `tp` splits them, their all-reduces along `model` adding
+to the stage's time; the heads split over `stage` or over both axes, whichever is cheaper; the PSM on a stage
+or on a row of its own. `best_factorisations` compares every split of a device count, acceptance held per
+draft (`acceptance`, `alpha_at`).
 
 Every part and collective is costed by its `spd_jax.pipeline.hardware.Hardware` profile: the roofline at
 the achievable bandwidth, a fixed cost per decoder layer and per program, and per collective a latency
@@ -55,6 +63,8 @@ if TYPE_CHECKING:  # the drafters (Flax) are imported only when their costs are 
 
 SCALAR_BYTES = 4  # an int32 / float32 decision value
 HEADS = ("sharded", "last")  # where the heads run: vocabulary-parallel on every device (the engine), or the last
+HEAD_AXES = ("stage", "both")  # on a (stage, model) mesh, the mesh axes the heads' vocabulary is split over
+INT32_BYTES = FLOAT32_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,11 @@ class CycleCosts:
     m: int  # the PSM's anchors (rows 1..m of the packet); 0 without a drafter
     psm_device: int  # the device running the PSM body: a stage 0..n-1, or n (a device of its own)
     embed_rows: bool = False  # the embedding split by vocabulary rows over the devices (D divides V)
+    model: int = 1  # each stage tensor-parallel over this many devices (a (stage, model) mesh)
+    stage_all_reduces: tuple[int, ...] = ()  # [n] all-reduces of [H] along `model` in each stage's layers
+    psm_all_reduces: int = 0  # the same in the PSM body's layers
+    head_axes: str = "stage"  # the heads' vocabulary split over "stage" (each row's devices alike) or "both"
+    draft_rows: int = 0  # a draft vocabulary's rows per head shard (its head's rows are not the embedding's); 0: none
 
     @property
     def n(self) -> int:
@@ -83,9 +98,23 @@ class CycleCosts:
         return self.psm_head is not None
 
     @property
-    def devices(self) -> int:
-        """Devices of the `stage` axis: the n stages, plus one when the PSM has its own."""
+    def draft_vocab(self) -> bool:
+        return self.draft_rows > 0
+
+    @property
+    def rows(self) -> int:
+        """Positions of the `stage` axis: the n stages, plus one when the PSM has its own."""
         return self.n + (self.psm_device == self.n)
+
+    @property
+    def devices(self) -> int:
+        """Every device of the mesh: `rows` x `model`."""
+        return self.rows * self.model
+
+    @property
+    def head_devices(self) -> int:
+        """The devices the heads' vocabulary is split over (and its choices gathered from)."""
+        return self.rows if self.head_axes == "stage" else self.devices
 
     @property
     def packet_bytes(self) -> int:
@@ -95,19 +124,31 @@ class CycleCosts:
 
 
 def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, context: int, param_bytes: int = 2,
-                cache_bytes: int | None = None, psm_device: int | None = None) -> CycleCosts:
+                cache_bytes: int | None = None, psm_device: int | None = None, model: int = 1,
+                head_axes: str = "stage") -> CycleCosts:
     """The parts of one cycle of `plan` at position `context` (the KV cache length); psm_cfg: its
     num_layers, m and draft_vocab are read (None: no drafter, the plain pipeline). Bytes in the model
     dtype: `param_bytes` per weight and activation, `cache_bytes` (default: the same) per cache element.
     psm_device: the stage running the PSM body (default the last), or plan.n for a device of its own (the
-    heads then split n + 1 ways)."""
+    heads then split n + 1 ways). model: each stage's layers and the PSM's split over `model` devices as
+    `sharding.TP_RULES` splits them (`tp_layer_cost`: each device's share, and the all-reduces of [H] each
+    layer ends in); head_axes: the heads' vocabulary split over the `stage` axis ("stage") or over every
+    device of the mesh ("both")."""
     cache_bytes = param_bytes if cache_bytes is None else cache_bytes
     psm_device = check_psm_device(plan.n, psm_device if psm_cfg is not None else None)
-    D = plan.n + (psm_device == plan.n)
+    if head_axes not in HEAD_AXES:
+        raise ValueError(f"head_axes must be one of {HEAD_AXES}, got {head_axes!r}")
+    rows = plan.n + (psm_device == plan.n)
+    D = rows * (model if head_axes == "both" else 1)  # the heads' vocabulary shards
     n, H = plan.n, cfg.hidden_size
-    layers = layer_costs(cfg, context, param_bytes, cache_bytes)
+    if model == 1:
+        layers, ars = layer_costs(cfg, context, param_bytes, cache_bytes), [0] * cfg.num_layers
+    else:  # each device's share of each layer, as `tp` splits it (one count per layer kind)
+        per_kind = {k: tp_layer_cost(cfg, k, context, model, param_bytes, cache_bytes) for k in set(cfg.layer_types)}
+        layers, ars = zip(*(per_kind[k] for k in cfg.layer_types))
     stages = tuple(tuple(layers[a:b]) for a, b in plan.bounds)
-    body, psm_head, psm_shard, m = (), None, None, 0
+    stage_ars = tuple(sum(ars[a:b]) for a, b in plan.bounds) if model > 1 else ()
+    body, psm_head, psm_shard, m, psm_ars, dv = (), None, None, 0, 0, 0
     if psm_cfg is not None:
         # the PSM's draft (its kind's cost) over a full pipeline: n in-flight rows plus the block's first
         # completed row (`profile_cycle`'s block); its head's shard: a PSM's head over ceil(V' / D) rows
@@ -116,9 +157,30 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, co
         *body, psm_head = cost(psm_cfg)
         dv = -(-(psm_cfg.draft_vocab or cfg.vocab_size) // D)
         psm_shard, m = cost(dataclasses.replace(psm_cfg, draft_vocab=dv))[-1], psm_cfg.m
+        if model > 1:
+            body, psm_ars = _tp_psm_body(cfg, body, context, model, param_bytes, cache_bytes)
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
                       head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head, psm_shard,
-                      H * param_bytes, m, psm_device, cfg.vocab_size % D == 0)
+                      H * param_bytes, m, psm_device, cfg.vocab_size % D == 0, model, stage_ars, psm_ars, head_axes,
+                      dv if psm_cfg is not None and psm_cfg.draft_vocab else 0)
+
+
+def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, model: int, param_bytes: int,
+                 cache_bytes: int) -> tuple[list[LayerCost], int]:
+    """The PSM body's parts on a `model`-wide row -> (each device's share, the all-reduces of [H]). Its
+    layers are full-attention layers of the target's kind under the same logical axes (`drafters.psm`), so
+    `TP_RULES` splits them as the target's (`tp_layer_cost`), their FLOPs and cache by the same fractions; its
+    projections read (None, "embed") axes, which no TP rule splits: whole on every device."""
+    full = kind_cost(cfg, ATTENTION, context, param_bytes, cache_bytes)
+    share, ars = tp_layer_cost(cfg, ATTENTION, context, model, param_bytes, cache_bytes)
+    out, total = [], 0
+    for c in body:
+        if c.kind == "psm_layer":
+            c = dataclasses.replace(c, flops=int(c.flops * share.flops / full.flops), weight_bytes=share.weight_bytes,
+                                    state_bytes=int(c.state_bytes * share.state_bytes / full.state_bytes))
+            total += ars
+        out.append(c)
+    return out, total
 
 
 def _drafter_kinds():
@@ -137,23 +199,77 @@ def check_psm_device(n: int, psm_device: int | None) -> int:
     return int(psm_device)
 
 
-def collectives(cc: CycleCosts, heads: str = "sharded") -> list[tuple[str, float]]:
-    """The collectives of one cycle as (kind, bytes per device), one after the other: the ppermute of the
-    stage output [H], the all-gather of the hidden-state packets (`CycleCosts.packet_bytes`) and the
-    all-gather of the choices (int32: [2, 2] per device with a drafter and sharded heads, [1, 2] without
-    a drafter or with the heads on the last stage; where the embedding is split by rows, `embed_rows`, each
-    choice carries the row [H] of its shard's best token, the next token's embedding). None on one device."""
+def collectives(cc: CycleCosts, heads: str = "sharded", sampled: bool = False,
+                filter_rows: int = 0) -> list[tuple[str, int, str]]:
+    """The collectives of one cycle as (kind, bytes per device, axis), one after the other, as the engine
+    (`spd_jax.decode.spd`) runs them; axis "stage" (along the `stage` axis) or "heads" (over the devices the
+    heads' vocabulary is split over, `CycleCosts.head_devices`). None on one device.
+
+    Greedy: the ppermute of the stage output [H]; the all-gather of the hidden-state packets
+    (`CycleCosts.packet_bytes`); the all-gather of the choices (int32: [2, 2] per device with a drafter and
+    sharded heads, [1, 2] without a drafter or with the heads on the last stage; where the embedding is split
+    by rows, `embed_rows`, each choice carries the row [H] of its shard's best token, the next token's
+    embedding); and a draft from a draft vocabulary, whose best row's shard need not hold its embedding, looked
+    up by an all-reduce of [H].
+
+    Sampled (`decode.vocab`, as XLA compiles it: the independent scalar reductions of one verification share
+    one all-reduce): the ppermute and the packets' all-gather as greedy; the draft's draw (with a drafter): a
+    filter's candidates (`filter_rows` float32 per shard, 0: no top-k / top-p), the Gumbel argmax's [2] int32,
+    and its softmax's max and sum (two all-reduces of a float32: the sum needs the max), and the draft
+    distribution's rows when it comes from a draft vocabulary; the verification: the filter's candidates, the
+    softmax's max and sum, one all-reduce of p(d), q(d) and the residual's mass, the draw's [2] int32; and the
+    lookup of the two tokens' embeddings ([2, H]) where the embedding is split by rows."""
     _check_heads(heads)
     if cc.devices == 1:
         return []
-    choice_rows = 2 if cc.drafter and heads == "sharded" else 1
-    choice = 2 * SCALAR_BYTES + (cc.hidden_bytes if cc.embed_rows and heads == "sharded" else 0)
-    return [("ppermute", cc.hidden_bytes), ("all_gather", cc.packet_bytes), ("all_gather", choice_rows * choice)]
+    out = [("ppermute", cc.hidden_bytes, "stage"), ("all_gather", cc.packet_bytes, "stage")]
+    rows_split = cc.embed_rows and heads == "sharded"
+    if not sampled:
+        choice_rows = 2 if cc.drafter and heads == "sharded" else 1
+        choice = 2 * INT32_BYTES + (cc.hidden_bytes if rows_split else 0)
+        out.append(("all_gather", choice_rows * choice, "heads"))
+        if cc.drafter and cc.draft_vocab and rows_split:
+            out.append(("all_reduce", cc.hidden_bytes, "heads"))
+        return out
+    best, scalar = 2 * INT32_BYTES, FLOAT32_BYTES
+    candidates = [("all_gather", filter_rows * FLOAT32_BYTES, "heads")] if filter_rows else []
+    if cc.drafter:
+        out += [*candidates, ("all_gather", best, "heads"), ("all_reduce", scalar, "heads"),
+                ("all_reduce", scalar, "heads")]
+        if cc.draft_vocab:  # q over the head's rows -> each device's target-vocabulary shard
+            out.append(("all_gather", cc.draft_rows * FLOAT32_BYTES, "heads"))
+    out += [*candidates, ("all_reduce", scalar, "heads"), ("all_reduce", scalar, "heads"),
+            ("all_reduce", 3 * scalar, "heads"), ("all_gather", best, "heads")]
+    if rows_split:
+        out.append(("all_reduce", 2 * cc.hidden_bytes, "heads"))
+    return out
 
 
-def comm_s(cc: CycleCosts, hw: Hardware, heads: str = "sharded") -> float:
-    """Seconds of the collectives of one cycle (every device of the `stage` axis takes part)."""
-    return sum(hw.collective_s(kind, b, cc.devices) for kind, b in collectives(cc, heads))
+def mesh_nodes(hw: Hardware, rows: int, model: int) -> dict[str, int]:
+    """Nodes each group of a `rows` x `model` mesh spans, the devices laid out node by node with `model`
+    fastest (a model group inside a node where it fits): {"model": one stage's model group, "stage": one
+    position's column along `stage`, "all": the whole mesh, "permute": 2 where some stage hands its output to
+    a stage on another node, else 1}."""
+    node = [(r * model) // hw.devices_per_node if hw.devices_per_node else 0 for r in range(rows)]
+    return dict(model=hw.nodes(model), stage=len(set(node)), all=hw.nodes(rows * model),
+                permute=2 if len(set(node)) > 1 else 1)
+
+
+def comm_s(cc: CycleCosts, hw: Hardware, heads: str = "sharded", sampled: bool = False,
+           filter_rows: int = 0) -> float:
+    """Seconds of the collectives of one cycle (`collectives`): along `stage` over its `rows` devices (each
+    model column at once), over the heads' devices for the choices."""
+    nodes = mesh_nodes(hw, cc.rows, cc.model)
+    head_nodes = nodes["stage"] if cc.head_axes == "stage" else nodes["all"]
+    total = 0.0
+    for kind, b, axis in collectives(cc, heads, sampled, filter_rows):
+        if kind == "ppermute":
+            total += hw.collective_s(kind, b, 2, nodes["permute"]) if cc.rows > 1 else 0.0
+        elif axis == "stage":
+            total += hw.collective_s(kind, b, cc.rows, nodes["stage"])
+        else:
+            total += hw.collective_s(kind, b, cc.head_devices, head_nodes)
+    return total
 
 
 def _check_heads(heads: str) -> None:
@@ -163,13 +279,17 @@ def _check_heads(heads: str) -> None:
 
 def _busy_s(cc: CycleCosts, hw: Hardware, heads: str) -> list[float]:
     """Each device's compute per cycle: its stage (a stage program; the embedding runs inside stage 0's,
-    so no launch of its own); the PSM body on its device; the heads (each its own part) on every device's
-    shard, or whole on the last stage. [devices]: n, or n + 1 with the PSM on its own device."""
+    so no launch of its own) with, on a `model`-wide row, its layers' all-reduces along `model` (they sit
+    between its layers, so they add to its time); the PSM body on its device (likewise); the heads (each its
+    own part) on every device's shard, or whole on the last stage. [rows]: n, or n + 1 with the PSM on its
+    own device (each row's `model` devices alike)."""
     _check_heads(heads)
-    busy = [hw.part_s(stage, stage=True) for stage in cc.stages] + [0.0] * (cc.devices - cc.n)
+    ar = hw.all_reduce_s(cc.hidden_bytes, cc.model, hw.nodes(cc.model)) if cc.model > 1 else 0.0
+    busy = [hw.part_s(stage, stage=True) + k * ar for stage, k in
+            zip(cc.stages, cc.stage_all_reduces or (0,) * cc.n)] + [0.0] * (cc.rows - cc.n)
     busy[0] += hw.seconds(cc.embed, stage=True)
     if cc.drafter:
-        busy[cc.psm_device] += hw.part_s(cc.psm_body)
+        busy[cc.psm_device] += hw.part_s(cc.psm_body) + cc.psm_all_reduces * ar
     if heads == "sharded":
         shards = sum(hw.part_s([h]) for h in (cc.head_shard, cc.psm_head_shard) if h is not None)
         return [b + shards for b in busy]
@@ -216,12 +336,14 @@ def device_aware_plan(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware
 
 
 def best_psm_device(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, hw: Hardware, context: int,
-                    param_bytes: int = 2, heads: str = "sharded", own: bool = False) -> tuple[int, list[float]]:
+                    param_bytes: int = 2, heads: str = "sharded", own: bool = False, model: int = 1,
+                    head_axes: str = "stage") -> tuple[int, list[float]]:
     """Where the PSM body makes the shortest cycle (busiest device + collectives) -> (psm_device, [devices]
     predicted busy seconds). Candidates: the n stages, and with own=True a device of its own (n + 1
-    devices); ties keep the last stage (the engine's placement before this option existed)."""
+    devices); ties keep the last stage (the engine's placement before this option existed). model,
+    head_axes: a (stage, model) mesh (`cycle_costs`)."""
     def cycle(d):
-        cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=d)
+        cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=d, model=model, head_axes=head_axes)
         busy = _busy_s(cc, hw, heads)
         return max(busy) + comm_s(cc, hw, heads), busy
 
@@ -279,6 +401,112 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
                  "reductions, rollback refills (in alpha)")
 
 
+def acceptance(S0: float, n: int, max_layers: int, num_layers: int) -> float:
+    """The per-draft acceptance p an n-stage S0 implies: alpha = S0 x max(stage layers) / L, and
+    alpha = 1 / (1 + (1 - p)(n - 1)) (docs/SPD.md, section 3)."""
+    alpha = S0 * max_layers / num_layers
+    return 1.0 - (1.0 / alpha - 1.0) / (n - 1)
+
+
+def alpha_at(p: float, n: int) -> float:
+    """Committed tokens per cycle at n stages for a per-draft acceptance p (docs/SPD.md, section 3): a
+    rejection costs the n - 1 cycles the pipeline takes to refill."""
+    return 1.0 / (1.0 + (1.0 - p) * (n - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Factorisation:
+    """Devices as `stages` pipeline stages, each `model` devices wide (tensor parallel inside each stage, by
+    `sharding.TP_RULES`); with `psm_own`, one more row of `model` devices runs the PSM body alone (the
+    paper's n + 1). stages = 1: pure `tp`; stages = model = 1: `ar`."""
+
+    stages: int
+    model: int
+    psm_own: bool = False
+
+    @property
+    def devices(self) -> int:
+        return (self.stages + self.psm_own) * self.model
+
+    @property
+    def method(self) -> str:
+        return "ar" if self.devices == 1 else "tp" if self.stages == 1 else "spd"
+
+    def __str__(self) -> str:
+        return f"{self.stages} x {self.model}" + (" + PSM row" if self.psm_own else "")
+
+
+def factorisations(devices: int) -> list[Factorisation]:
+    """Every (stage, model) split of `devices`: stages x model = devices, the PSM on a stage (stages = 1:
+    pure `tp`), and (stages + 1) x model = devices, the PSM on a row of its own (stages >= 2: one stage
+    pipelines nothing)."""
+    out = [Factorisation(devices // m, m) for m in range(1, devices + 1) if devices % m == 0]
+    out += [Factorisation(devices // m - 1, m, True) for m in range(1, devices + 1)
+            if devices % m == 0 and devices // m - 1 >= 2]
+    return sorted(out, key=lambda f: (f.psm_own, -f.stages))
+
+
+def mesh_cycle(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, hw: Hardware, context: int,
+               model: int = 1, psm_device: int | None = None, head_axes: str = "stage", param_bytes: int = 2,
+               heads: str = "sharded", sampled: bool = False, filter_rows: int = 0) -> dict:
+    """One cycle of the engine on a (len(plan), model) mesh (psm_cfg None: the plain pipeline) -> {cycle_s
+    (busiest row + collectives), busy_s [rows], comm_s, costs (the `CycleCosts`)}."""
+    cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device, model=model,
+                     head_axes=head_axes)
+    busy = _busy_s(cc, hw, heads)
+    comm = comm_s(cc, hw, heads, sampled, filter_rows)
+    return dict(cycle_s=max(busy) + comm, busy_s=busy, comm_s=comm, costs=cc)
+
+
+def predict_factorisation(cfg: ModelConfig, f: Factorisation, hw: Hardware, context: int, p: float,
+                          psm_layers: int, param_bytes: int = 2) -> dict:
+    """One factorisation's seconds per token and speedup over `ar` on `hw`, at per-draft acceptance p.
+    ar and tp: their step (`ar_step_s`, `tp_step` over `model` devices, across nodes where wider than one).
+    spd: the default plan of `stages` stages (`default_plan`), a PSM of `psm_layers` layers for it, placed on
+    the stage or its own row, and the heads split over `stage` or over both axes, whichever gives the
+    shortest cycle; alpha = `alpha_at(p, stages)`, speedup alpha x t_ar / cycle. pipeline (the PSM on a
+    stage only): the same mesh without a drafter, `stages` cycles per token. -> {factorisation, method,
+    devices, step_s, speedup, psm (where the PSM body runs: "stage s", "own row"), head_axes, alpha, and for
+    spd pipeline_s and speedup_pipeline}."""
+    t_ar = ar_step_s(cfg, hw, context, param_bytes)
+    out = dict(factorisation=f, method=f.method, devices=f.devices, hardware=hw.name, latency=hw.latency_class)
+    if f.method != "spd":
+        t = t_ar if f.method == "ar" else tp_step(cfg, hw, f.model, context, param_bytes)["step_s"]
+        return out | dict(step_s=t, speedup=t_ar / t)
+    from spd_jax.drafters.psm import PSMConfig  # the drafter's config (Flax): only when counted
+
+    plan = default_plan(cfg, f.stages)
+    psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
+    axes = HEAD_AXES if f.model > 1 else ("stage",)
+    places = [f.stages] if f.psm_own else range(f.stages)
+    best = min((mesh_cycle(cfg, plan, psm_cfg, hw, context, f.model, d, ax, param_bytes) | dict(psm_device=d, axes=ax)
+                for d in places for ax in axes), key=lambda r: r["cycle_s"])
+    alpha = alpha_at(p, f.stages)
+    out |= dict(step_s=best["cycle_s"] / alpha, speedup=alpha * t_ar / best["cycle_s"], cycle_s=best["cycle_s"],
+                comm_s=best["comm_s"], alpha=alpha, S0=alpha * cfg.num_layers / plan.max_layers,
+                psm="own row" if f.psm_own else f"stage {best['psm_device']}", head_axes=best["axes"])
+    if not f.psm_own:
+        plain = min(mesh_cycle(cfg, plan, None, hw, context, f.model, None, ax, param_bytes)["cycle_s"] for ax in axes)
+        out |= dict(pipeline_s=f.stages * plain, speedup_pipeline=t_ar / (f.stages * plain))
+    return out
+
+
+def best_factorisations(cfg: ModelConfig, devices: int, hw: Hardware, context: int, p: float,
+                        psm_layers, param_bytes: int = 2) -> dict:
+    """Every factorisation of `devices` and of each count that divides it (`factorisations`: a method need
+    not use every device; pure tp over 16 GPUs on two nodes is slower than over the 8 of one) projected
+    (`predict_factorisation`; psm_layers(stages) -> the PSM's layer count at that depth) -> {"all": every row,
+    "spd": the best spd row, "tp": the best pure tp row (or ar), "pipeline": the best plain pipeline row (its
+    speedup in speedup_pipeline)}."""
+    rows = [predict_factorisation(cfg, f, hw, context, p, psm_layers(f.stages), param_bytes)
+            for d in range(1, devices + 1) if devices % d == 0 for f in factorisations(d)]
+    spd = [r for r in rows if r["method"] == "spd"]
+    return dict(all=rows, spd=max(spd, key=lambda r: r["speedup"], default=None),
+                tp=max((r for r in rows if r["method"] in ("tp", "ar")), key=lambda r: r["speedup"]),
+                pipeline=max((r for r in spd if "speedup_pipeline" in r), key=lambda r: r["speedup_pipeline"],
+                             default=None))
+
+
 def ar_step_s(cfg: ModelConfig, hw: Hardware, context: int, param_bytes: int = 2) -> float:
     """`ar`'s step on one device: one token through the embedding, every layer and the head, one program."""
     return hw.part_s([embed_cost(cfg, param_bytes), *layer_costs(cfg, context, param_bytes, param_bytes),
@@ -330,7 +558,9 @@ def tp_step(cfg: ModelConfig, hw: Hardware, n: int, context: int, param_bytes: i
     head = head_cost(cfg, param_bytes, -(-cfg.vocab_size // n) if vocab else None)
     compute = hw.part_s([embed_cost(cfg, param_bytes), *(c for c, _ in shares), head])
     hidden = sum(k for _, k in shares) + vocab
-    comm = hidden * hw.all_reduce_s(cfg.hidden_size * param_bytes, n) + vocab * hw.all_reduce_s(2 * SCALAR_BYTES, n)
+    nodes = hw.nodes(n)  # a `model` axis wider than a node spans nodes
+    comm = (hidden * hw.all_reduce_s(cfg.hidden_size * param_bytes, n, nodes)
+            + vocab * hw.all_reduce_s(2 * SCALAR_BYTES, n, nodes))
     return dict(step_s=compute + comm, comm_s=comm, all_reduces=hidden)
 
 
@@ -415,7 +645,7 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
     peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
     coll = collectives(cc, "sharded")
-    moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b in coll)  # each device receives
+    moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b, _ in coll)  # each device receives
     latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0
     pred = x * np.where(stage, 1.0 / (bw * stage_eff), 1.0 / bw) + launch_s
     resid_ms = 1e3 * (y - pred)
