@@ -199,7 +199,7 @@ def job(src: Path, out: Path, minutes: float, gen_minutes: float, start_chunk: i
     returned = archive([CORPUS / f"chunk-{int(c):05d}.npz" for c in new], root, out, "chunks")
     left = t0 + 60 * minutes - time.time()
     run_dir = Path("/tmp/spd_jax_run")
-    if left > 120 and new:
+    if left > 120 and manifest["chunks"]:  # the whole corpus, the CPU sessions' chunks too
         _run([sys.executable, "-m", "train.main", "--config", str(RECIPE), "--mesh", "1x1", "--out", str(run_dir),
               f"replies={CORPUS}", f"init_from={SHIPPED}", *train_args], env, root, deadline=time.time() + left - 60)
         if not (run_dir / "psm").is_dir() and (run_dir / "ckpt").is_dir():  # stopped at the deadline: its last checkpoint
