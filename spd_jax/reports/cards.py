@@ -308,8 +308,8 @@ def converted_card(meta: dict, config: dict, base: str) -> str:
     return "\n".join([
         f"# PSM for {Path(base).name}, n = {n}: the SPD authors' checkpoint, converted", "",
         f"Converted with `python -m spd_jax.convert.reference_psm` from the authors' reference-code (v11) checkpoint, "
-        "not trained here; how each part of their PSM maps onto this project's: "
-        "[docs/reference_psm.md](../../docs/reference_psm.md) (in the repository).", "",
+        "not trained here; how each part of their PSM maps onto this project's, and what was tested: "
+        "docs/reference_psm.md in the spd-jax repository.", "",
         f"- source: `{src['file']}`, {src['bytes']:,} bytes, sha256 `{src['sha256']}`",
         f"- base model: `{base}` ({meta['target'][0]}, H = {meta['target'][1]}, L = {meta['target'][2]}, V = "
         f"{meta['target'][3]}); target weights fingerprint "
