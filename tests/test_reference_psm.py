@@ -210,6 +210,7 @@ CASES = {
     "n4": dict(kind="qwen3_5", n=4, Ls=4, draft=0),  # their s4_l4; anchors [0, 2, 6, 7, 8]: h_L among them
     "n4-uneven": dict(kind="qwen3_5", n=4, Ls=2, draft=0, stage_layers="3;2;1;2"),  # its typing is ours there
     "llama-n4": dict(kind="llama", n=4, Ls=2, draft=0),  # Qwen3 layers over a Llama base: the PSM's qk_norm
+    "qwen3-n2": dict(kind="qwen3", n=2, Ls=2, draft=0),  # a Qwen3 base: its own layer kind
 }
 
 
@@ -266,7 +267,7 @@ def test_converted_psm_drafts_what_the_reference_drafts(bases, converted, case):
     assert r <= 1, r
 
 
-def test_the_directory_records_its_source(bases, converted):
+def test_the_directory_records_its_source(bases, converted, capsys):
     """psm.json names the source file by sha256 and the base's weights; reference.json and CARD.md hold the
     checkpoint's config verbatim; --help documents the format."""
     import hashlib
@@ -282,6 +283,10 @@ def test_the_directory_records_its_source(bases, converted):
     assert '"num_spec_layers": 3' in card and "## Evaluation" in card
     with pytest.raises(SystemExit):
         ref.main(["--help"])
+    doc = capsys.readouterr().out
+    for name in ("aggr_projs.{a}.weight", "[H, (a+1) H]", "spec_layers.{i}.self_attn.q_proj.weight", "lm_head.weight",
+                 "aggr_feature_bound", "draft_token_ids", "num_stages", "stage_layers", "weights_only=True"):
+        assert name in doc, name
 
 
 def test_bfloat16_weights_convert_bit_for_bit(bases, converted, tmp_path):
