@@ -181,7 +181,8 @@ def engine_drafts(model, spec, variables, h: np.ndarray, fill: int) -> np.ndarra
     hpad = jnp.concatenate([jnp.asarray(h), jnp.zeros((spec.n + 1, *h.shape[1:]))])  # rows past T: never read
     cases = [(pc, t, max(t - fill + 1, 0)) for t in range(T) for pc in (max(t - fill + 1, 0), max(t - fill, 0))]
     args = (jnp.asarray(c, jnp.int32) for c in zip(*cases))
-    return np.asarray(_drafter(model.config, spec)(variables, hpad, model.params["final_norm"], *args)).reshape(T, 2, -1)
+    out = _drafter(model.config, spec)(variables, hpad, model.params["final_norm"], *args)
+    return np.asarray(out).reshape(T, 2, -1)
 
 
 def worst_ratio(model, oracle: ReferencePSM, states: dict, spec, variables, fills, stop_above=math.inf) -> float:
@@ -287,6 +288,19 @@ def test_the_directory_records_its_source(bases, converted, capsys):
     for name in ("aggr_projs.{a}.weight", "[H, (a+1) H]", "spec_layers.{i}.self_attn.q_proj.weight", "lm_head.weight",
                  "aggr_feature_bound", "draft_token_ids", "num_stages", "stage_layers", "weights_only=True"):
         assert name in doc, name
+
+
+def test_the_base_is_found_by_path_or_name(bases, caplog):
+    """Without --base the config's base_model_path is tried as a directory (the weights' fingerprint recorded),
+    then by its name among configs/models (none recorded, said); neither: a one-line refusal."""
+    path, _, model, _ = bases("qwen3_5")
+    cfg, fingerprint, label = ref.resolve_base(None, {"base_model_path": str(path)})
+    assert cfg == model.config and fingerprint == model.weights_fingerprint and label == str(path)
+    with caplog.at_level(logging.WARNING):
+        cfg, fingerprint, label = ref.resolve_base(None, {"base_model_path": "Someone/Tiny-Qwen3_5"})
+    assert label == "tiny-qwen3_5" and fingerprint is None and "no target-weights fingerprint" in caplog.text
+    with pytest.raises(ref.ReferenceCheckpointError, match="no base model found for 'Qwen/Qwen9-1T': give --base"):
+        ref.resolve_base(None, {"base_model_path": "Qwen/Qwen9-1T"})
 
 
 def test_bfloat16_weights_convert_bit_for_bit(bases, converted, tmp_path):
@@ -422,7 +436,8 @@ REFUSALS = {  # name: (edit of the n = 8 checkpoint, convert_file keywords, the 
     "another base: hidden size": (_set(hidden_size=128), {}, r"made for a base with hidden_size=128, the base given "
                                   r"has 64: give --base the model it was trained for"),
     "another base: vocabulary": (_set(vocab_size=161), {}, r"vocab_size=161, the base given has 160"),
-    "another base: model type": (_set(model_type="qwen3"), {}, r"model_type='qwen3', the base given has 'qwen3_5_text'"),
+    "another base: model type": (_set(model_type="qwen3"), {},
+                                 r"model_type='qwen3', the base given has 'qwen3_5_text'"),
     "another base: layers": (_set(aggr_feature_bound=[0, 1, 3, 6, 9]), {}, r"reads hidden state 9, beyond the base's "
                              r"8 layers: the checkpoint was made for another base model; give --base"),
     "another n than asked for": (None, dict(n=4), r"drafts for n=8 pipeline stages, not the n=4 asked for.*--n 8"),

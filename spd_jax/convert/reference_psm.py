@@ -100,15 +100,16 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict, str]
         raise ReferenceCheckpointError(f"{path} does not load with torch.load(weights_only=True) ({type(e).__name__}: "
                                        f"{why}): it is not a plain {{'state_dict', 'config'}} file; this converter "
                                        "never unpickles freely: re-save it as plain tensors and a dict") from None
-    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict) and isinstance(ckpt.get("config"), dict)):
+    if not (isinstance(ckpt, dict) and all(isinstance(ckpt.get(k), dict) for k in ("state_dict", "config"))):
         keys = sorted(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ReferenceCheckpointError(f"{path} holds {keys}, not {{'state_dict': ..., 'config': ...}}: not a "
                                        "reference v11 PSM checkpoint (speculation_head_final.pt)")
     state = {}
     for k, t in ckpt["state_dict"].items():
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            raise ReferenceCheckpointError(f"{path}: state_dict entry {k!r} is {getattr(t, 'dtype', type(t).__name__)}, "
-                                           "not a floating-point tensor: not a reference PSM checkpoint")
+            what = getattr(t, "dtype", type(t).__name__)
+            raise ReferenceCheckpointError(f"{path}: state_dict entry {k!r} is {what}, not a floating-point tensor: "
+                                           "not a reference PSM checkpoint")
         a = t.detach().to(torch.float32).numpy()  # exact for bfloat16 and float16
         state[k] = a.astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else a
     return state, ckpt["config"], digest.hexdigest()
@@ -238,7 +239,8 @@ def tensor_table(cfg: ModelConfig, spec: PSMConfig, rows: int) -> dict[str, Tens
     transforms are the base's weight schema's (`models.schema`, the layer kind the PSM runs)."""
     H, table = cfg.hidden_size, {}
     for a in range(spec.m):  # nn.Linear [H, (a+1) H] -> our Dense kernel [(a+1) H, H]; concat order b_0 .. b_a
-        table[f"aggr_projs.{a}.weight"] = Tensor((H, (a + 1) * H), (((f"proj_{a}", "kernel"), None, schema.TRANSPOSE.apply),))
+        table[f"aggr_projs.{a}.weight"] = Tensor((H, (a + 1) * H),
+                                                 (((f"proj_{a}", "kernel"), None, schema.TRANSPOSE.apply),))
     for i in range(spec.num_layers):
         for k, leaf in schema.layer_schema(layer_config(cfg, spec), ATTENTION).items():
             name = f"spec_layers.{i}.{leaf.hf}"
@@ -252,7 +254,8 @@ def _check_names(state: dict, table: dict, cfg: ModelConfig, spec: PSMConfig, wh
     have = {k for k in state if not k.endswith(IGNORED)}
     what = (f"Ls={spec.num_layers}, m={spec.m} anchors, base {cfg.model_type} (H={cfg.hidden_size}, heads "
             f"{cfg.num_heads}/{cfg.num_kv_heads}, head_dim={cfg.head_dim}, intermediate={cfg.intermediate_size})")
-    for names, fix in ((sorted(table.keys() - have), "lacks tensor"), (sorted(have - table.keys()), "has unexpected tensor")):
+    for names, fix in ((sorted(table.keys() - have), "lacks tensor"),
+                       (sorted(have - table.keys()), "has unexpected tensor")):
         if names:
             more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
             raise ReferenceCheckpointError(f"{where} {fix} {names[0]!r}{more} for a v11 PSM of its config ({what}): "
@@ -262,6 +265,30 @@ def _check_names(state: dict, table: dict, cfg: ModelConfig, spec: PSMConfig, wh
             raise ReferenceCheckpointError(f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, expected "
                                            f"{t.shape} for {what}: the checkpoint was made for another base model; "
                                            "give --base the model it was trained for")
+
+
+def _assemble(state: dict, table: dict[str, Tensor], abstract: dict, dtype) -> dict:
+    """The PSM's params: every leaf the module declares (abstract: its shapes), filled from the state_dict
+    through the table, in dtype. A leaf no tensor fills, or a transform of the wrong shape, is a bug here."""
+    params = jax.tree.map(lambda a: np.zeros(a.shape, dtype), abstract)
+    filled = set()
+    for name, t in table.items():
+        for path, layer, transform in t.puts:
+            *up, leaf = path
+            parent = params
+            for p in up:
+                parent = parent[p]
+            value = transform(state[name])
+            slot = parent[leaf] if layer is None else parent[leaf][layer]
+            assert value.shape == slot.shape, f"{name} -> {'/'.join(path)}: {value.shape} vs {slot.shape}"
+            if layer is None:
+                parent[leaf] = value.astype(dtype)
+            else:
+                parent[leaf][layer] = value
+            filled.add(path)
+    declared = {tuple(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+    assert declared == filled, f"no tensor fills {sorted(declared - filled)}"
+    return params
 
 
 def convert(state: dict, config: dict, cfg: ModelConfig, n: int | None = None, draft_vocab=None,
@@ -279,7 +306,8 @@ def convert(state: dict, config: dict, cfg: ModelConfig, n: int | None = None, d
     if unknown:  # the reference ignores fields it does not know; so do we, said
         log.warning("%s's config has fields the reference's v11 code does not read, ignored: %s", where, unknown)
     mt = WRAPPED.get(config.get("model_type"), config.get("model_type"))
-    for field, want in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size), ("model_type", cfg.model_type)):
+    for field, want in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
+                        ("model_type", cfg.model_type)):
         got = mt if field == "model_type" else config[field]
         if got is not None and got != want:
             raise ReferenceCheckpointError(f"{where} was made for a base with {field}={got!r}, the base given has "
@@ -298,24 +326,7 @@ def convert(state: dict, config: dict, cfg: ModelConfig, n: int | None = None, d
     zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
     zeros |= {} if cfg.tie_word_embeddings else {"lm_head": zeros["embed"]}  # traced only: nothing is allocated
     abstract = jax.eval_shape(lambda: init_psm(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab)))["params"]
-    params = jax.tree.map(lambda a: np.zeros(a.shape, dtype), abstract)  # every leaf the module declares
-    filled = set()  # the params paths some tensor fills
-    for name, t in table.items():
-        for path, layer, transform in t.puts:
-            *up, leaf = path
-            parent = params
-            for p in up:
-                parent = parent[p]
-            value = transform(state[name])
-            slot = parent[leaf] if layer is None else parent[leaf][layer]
-            assert value.shape == slot.shape, f"{name} -> {'/'.join(path)}: {value.shape} vs {slot.shape}"
-            if layer is None:
-                parent[leaf] = value.astype(dtype)
-            else:
-                parent[leaf][layer] = value
-            filled.add(path)
-    declared = {tuple(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
-    assert declared == filled, f"no tensor fills {sorted(declared - filled)}"  # else the table is wrong here
+    params = _assemble(state, table, abstract, dtype)
     return spec, {"params": params, **({"vocab": {"ids": ids}} if spec.draft_vocab else {})}
 
 
@@ -333,8 +344,9 @@ def resolve_base(base: str | None, config: dict) -> tuple[ModelConfig, str | Non
             log.warning("base %s is a config name: the PSM records no target-weights fingerprint, so it loads on any "
                         "model of that architecture (give --base the HF directory to record it)", c)
             return ModelConfig.named(c), None, c
-    raise ReferenceCheckpointError(f"no base model found for {cands[0]!r}: give --base the HF directory of the model "
-                                   "the checkpoint was trained for (config.json + safetensors) or a configs/models name")
+    raise ReferenceCheckpointError(f"no base model found for {cands[0]!r}: give --base the HF directory of the "
+                                   "model the checkpoint was trained for (config.json + safetensors) or a "
+                                   "configs/models name")
 
 
 def convert_file(pt: str | Path, out: str | Path, base: str | None = None, n: int | None = None,
@@ -354,7 +366,8 @@ def convert_file(pt: str | Path, out: str | Path, base: str | None = None, n: in
     source = dict(file=pt.name, bytes=pt.stat().st_size, sha256=digest, base=label)
     save_psm(out, variables, spec, extra=dict(converted_from=source), target_weights=fingerprint)
     (out / REFERENCE_JSON).write_text(json.dumps(dict(source, config=verbatim), indent=1) + "\n")
-    meta = dict(spec_to_json(spec), converted_from=source, **({store.TARGET_WEIGHTS: fingerprint} if fingerprint else {}))
+    meta = dict(spec_to_json(spec), converted_from=source,
+                **({store.TARGET_WEIGHTS: fingerprint} if fingerprint else {}))
     (out / "CARD.md").write_text(converted_card(meta, verbatim, label))
     return spec
 

@@ -113,7 +113,8 @@ def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2,
           rows: int | None = None) -> list:
     """One draft: the projections and Ls layers over the block of `rows` rows (default n + 1: a full
     pipeline), and the head -> [projections, Ls layers, head]."""
-    return psm_costs(layer_config(cfg, spec), spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1 if rows is None else rows, context,
+    return psm_costs(layer_config(cfg, spec), spec.num_layers, spec.m, spec.draft_vocab,
+                     spec.n + 1 if rows is None else rows, context,
                      param_bytes, param_bytes if cache_bytes is None else cache_bytes)
 
 
