@@ -78,7 +78,7 @@ def test_train_forward_equals_engine_draft_with_anchor_norm(tiny_ckpt, kind):
     _check_train_equals_engine(model, 4, anchor_norm=True)
 
 
-def test_train_forward_equals_engine_draft_with_qk_norm(tiny_ckpt):
+def test_train_forward_equals_engine_draft_with_qk_norm(tiny_ckpt, tmp_path):
     """qk_norm (the reference's Qwen3 layers over a Llama target): both paths norm q and k per head with the
     layers' own gains (`_sensitive_psm` moves them off the identity), and those norms move the draft."""
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
@@ -98,6 +98,15 @@ def test_train_forward_equals_engine_draft_with_qk_norm(tiny_ckpt):
     assert np.abs(np.asarray(normed) - np.asarray(unnormed)).max() > 0.1
     # a target whose attention norms q and k already: the option adds nothing and stays off (one identity)
     assert not PSMConfig.for_target(dataclasses.replace(cfg, qk_norm=True), spec.plan, qk_norm=True).qk_norm
+    # part of the identity: written, read back, and a warm start across it refused (its layers do not fit)
+    from spd_jax.drafters.psm import kind as psm_kind
+
+    psm_kind.save_psm(tmp_path / "p", v, spec)
+    assert json.loads((tmp_path / "p" / "psm.json").read_text())["qk_norm"] is True
+    assert psm_kind.read_spec(tmp_path / "p") == spec
+    with pytest.raises(ValueError, match=r"has per-head q/k norms in its layers \(qk_norm\)"):
+        psm_kind._warm_start(model, dataclasses.replace(spec, qk_norm=False), str(tmp_path / "p"),
+                             logging.getLogger("t"))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
