@@ -60,7 +60,7 @@ from spd_jax.config import ATTENTION, WRAPPED, ModelConfig, named_config_names
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.drafters import store
-from spd_jax.drafters.psm import PSMConfig, init_psm, save_psm, spec_to_json
+from spd_jax.drafters.psm import PSMConfig, init_psm, save_psm
 from spd_jax.drafters.psm.model import layer_config
 from spd_jax.models import schema
 from spd_jax.reports.cards import converted_card
@@ -366,9 +366,7 @@ def convert_file(pt: str | Path, out: str | Path, base: str | None = None, n: in
     source = dict(file=pt.name, bytes=pt.stat().st_size, sha256=digest, base=label)
     save_psm(out, variables, spec, extra=dict(converted_from=source), target_weights=fingerprint)
     (out / REFERENCE_JSON).write_text(json.dumps(dict(source, config=verbatim), indent=1) + "\n")
-    meta = dict(spec_to_json(spec), converted_from=source,
-                **({store.TARGET_WEIGHTS: fingerprint} if fingerprint else {}))
-    (out / "CARD.md").write_text(converted_card(meta, verbatim, label))
+    (out / "CARD.md").write_text(converted_card(json.loads((out / "psm.json").read_text()), verbatim, label))
     return spec
 
 
@@ -383,15 +381,16 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", default=None, help="the reference's draft_vocab/*.json, for a checkpoint whose "
                     "config lacks draft_token_ids (checked against them otherwise)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s", force=True)  # not orbax's INFO
     try:
         spec = convert_file(args.checkpoint, args.out, args.base, args.n, args.draft_vocab)
     except ReferenceCheckpointError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
+    base = json.loads((Path(args.out) / "psm.json").read_text())["converted_from"]["base"]
     print(f"wrote {args.out}: PSM for n={spec.n}, stages {list(spec.plan)}, anchors {list(spec.anchors)}, "
           f"Ls={spec.num_layers}, head {spec.draft_vocab or spec.target[3]} rows (use: python -m infer.generate "
-          f"--model BASE --n {spec.n} --stages {','.join(map(str, spec.plan))} --spec {args.out})")
+          f"--model {base} --n {spec.n} --stages {','.join(map(str, spec.plan))} --spec {args.out})")
     return 0
 
 
