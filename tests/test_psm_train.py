@@ -78,6 +78,37 @@ def test_train_forward_equals_engine_draft_with_anchor_norm(tiny_ckpt, kind):
     _check_train_equals_engine(model, 4, anchor_norm=True)
 
 
+def test_train_forward_equals_engine_draft_with_qk_norm(tiny_ckpt, tmp_path):
+    """qk_norm (the reference's Qwen3 layers over a Llama target): both paths norm q and k per head with the
+    layers' own gains (`_sensitive_psm` moves them off the identity), and those norms move the draft."""
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+    cfg = model.config
+    spec = _check_train_equals_engine(model, 2, qk_norm=True)  # the option is in the layers only: n = 2 suffices
+    v = _sensitive_psm(model, spec, seed=4)
+    assert spec.qk_norm and v["params"]["layer_q_norm"].shape == (spec.num_layers, cfg.head_dim)
+    from spd_jax.pipeline import memory  # the memory model counts them
+    assert memory.psm_params(cfg, spec) == sum(x.size for x in jax.tree.leaves({**v["params"], "lm_head": ()}))
+    h = jax.random.normal(jax.random.key(1), (6, spec.m, cfg.hidden_size))
+    types = jnp.asarray([4, 4, 3, 2, 1, 0])
+    cache = init_kv_cache(cfg, spec.num_layers, 1, 8, jnp.float32)
+    normed = PSM(cfg, spec).apply(v, h, types, cache, jnp.int32(0), model.params["final_norm"])[0]
+    plain = {**v, "params": {k: x for k, x in v["params"].items() if k not in ("layer_q_norm", "layer_k_norm")}}
+    unnormed = PSM(cfg, dataclasses.replace(spec, qk_norm=False)).apply(plain, h, types, cache, jnp.int32(0),
+                                                                         model.params["final_norm"])[0]
+    assert np.abs(np.asarray(normed) - np.asarray(unnormed)).max() > 0.1
+    # a target whose attention norms q and k already: the option adds nothing and stays off (one identity)
+    assert not PSMConfig.for_target(dataclasses.replace(cfg, qk_norm=True), spec.plan, qk_norm=True).qk_norm
+    # part of the identity: written, read back, and a warm start across it refused (its layers do not fit)
+    from spd_jax.drafters.psm import kind as psm_kind
+
+    psm_kind.save_psm(tmp_path / "p", v, spec)
+    assert json.loads((tmp_path / "p" / "psm.json").read_text())["qk_norm"] is True
+    assert psm_kind.read_spec(tmp_path / "p") == spec
+    with pytest.raises(ValueError, match=r"has per-head q/k norms in its layers \(qk_norm\)"):
+        psm_kind._warm_start(model, dataclasses.replace(spec, qk_norm=False), str(tmp_path / "p"),
+                             logging.getLogger("t"))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_anchor_norm_normalises_each_anchor_with_its_gain(tiny_ckpt, kind):
     """The gain starts at the identity scale (w = 1, or w = 0 where the norm scales by 1 + w); a row of
@@ -142,11 +173,12 @@ def test_anchor_norm_is_a_training_option():
         assert psm_kind.TRAINING.config(cfg, default_plan(cfg, 2), d).anchor_norm is flag
 
 
-def _check_train_equals_engine(deep, n, vocab_ids=None, anchor_norm=False):
+def _check_train_equals_engine(deep, n, vocab_ids=None, anchor_norm=False, qk_norm=False):
     cfg = deep.config
     plan = pipelined.plan_for(deep, n)
     spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2,
-                                draft_vocab=0 if vocab_ids is None else len(vocab_ids), anchor_norm=anchor_norm)
+                                draft_vocab=0 if vocab_ids is None else len(vocab_ids), anchor_norm=anchor_norm,
+                                qk_norm=qk_norm)
     module = PSM(cfg, spec)
     v = _sensitive_psm(deep, spec, seed=n, vocab_ids=vocab_ids)
     tokens = jax.random.randint(jax.random.key(n), (1, T), 3, cfg.vocab_size)
@@ -196,6 +228,7 @@ def _check_train_equals_engine(deep, n, vocab_ids=None, anchor_norm=False):
     # the one row a fill changes at some positions)
     assert n == 1 or moved >= 0.5 * checked, (moved, checked)
     print(f"n={n} {cfg.model_type}: max |train - inference| = {worst:.2e}; a wrong fill moved {moved}/{checked}")
+    return spec
 
 
 def test_row_types_follow_the_staircase(deep):

@@ -98,9 +98,11 @@ def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int
 
 def psm_params(cfg: ModelConfig, spec: "PSMConfig", with_head: bool = False) -> int:
     """The PSM's weights: projections sum_a (a + 1) H x H, the anchor gains, Ls attention layers of the target's
-    kind, and (with_head, or with a draft vocabulary or its own head) its head [V', H]."""
+    kind (with their q/k norms under `qk_norm`), and (with_head, or with a draft vocabulary or its own head) its
+    head [V', H]."""
     H, m = cfg.hidden_size, spec.m
-    p = H * H * m * (m + 1) // 2 + (m * H if spec.anchor_norm else 0) + spec.num_layers * _layer_params(cfg, ATTENTION)
+    layer = _layer_params(cfg, ATTENTION) + (2 * cfg.head_dim if spec.qk_norm else 0)
+    p = H * H * m * (m + 1) // 2 + (m * H if spec.anchor_norm else 0) + spec.num_layers * layer
     return p + ((spec.draft_vocab or cfg.vocab_size) * H if with_head or spec.draft_vocab or spec.own_head else 0)
 
 

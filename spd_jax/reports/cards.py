@@ -11,6 +11,8 @@ the config over as a dict); writes only the drafter directory's CARD.md, lineage
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -288,6 +290,41 @@ def evaluation_lines(kind: str, table: list[dict], eval_cmd: str, setup: dict | 
         "", f"tok/s and the ratio to `ar` are measured on the evaluation's {backend} backend{k.where(backend, n)}", "",
     ]
     return lines + lineage_lines(lineage or [])
+
+
+def converted_card(meta: dict, config: dict, base: str) -> str:
+    """The card of a PSM converted from the SPD authors' checkpoint (`spd_jax.convert.reference_psm`): meta its
+    psm.json (with `converted_from`: the source file's name, size and sha256), config the checkpoint's config
+    verbatim (a draft vocabulary's id list shown by count and digest: it is whole in reference.json), base the
+    base model as given. Its Evaluation section is train.card's to write (`--eval EVAL --psm DIR`)."""
+    src, n = meta["converted_from"], len(meta["plan"])
+    shown = dict(config)
+    if isinstance(shown.get("draft_token_ids"), list):
+        ids = shown["draft_token_ids"]
+        digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+        shown["draft_token_ids"] = f"<{len(ids)} ids, sha256 of their JSON {digest}; whole in reference.json>"
+    head = f"a draft vocabulary of {meta['draft_vocab']} tokens" if meta.get("draft_vocab") else "the whole vocabulary"
+    fingerprint = meta.get("target_weights")
+    return "\n".join([
+        f"# PSM for {Path(base).name}, n = {n}: the SPD authors' checkpoint, converted", "",
+        f"Converted with `python -m spd_jax.convert.reference_psm` from the authors' reference-code (v11) checkpoint, "
+        "not trained here; how each part of their PSM maps onto this project's, and what was tested: "
+        "docs/reference_psm.md in the spd-jax repository.", "",
+        f"- source: `{src['file']}`, {src['bytes']:,} bytes, sha256 `{src['sha256']}`",
+        f"- base model: `{base}` ({meta['target'][0]}, H = {meta['target'][1]}, L = {meta['target'][2]}, V = "
+        f"{meta['target'][3]}); target weights fingerprint "
+        + (f"`{fingerprint}` (loading refuses other weights)" if fingerprint else
+           "not recorded (the base was a config name: it loads on any model of that architecture)"),
+        f"- PSM: {meta['num_layers']} decoder layers of the base's attention kind"
+        + (" with Qwen3's per-head q/k norms (qk_norm)" if meta.get("qk_norm") else "")
+        + f", anchors {meta['anchors']}, stage plan {meta['plan']}; its own LM head (trained with it, stored) over "
+        f"{head}; the base's final norm",
+        f"- run: `python -m infer.generate --model {base} --n {n} --stages {','.join(map(str, meta['plan']))} "
+        "--spec DIR --prompt ...`", "",
+        "The checkpoint's config, verbatim:", "", "```json", json.dumps(shown, indent=1), "```", "",
+        "## Evaluation", "",
+        f"Not evaluated here. Evaluate it with `python -m infer.evaluate --model {base} --methods ar,spd --n {n} "
+        "--spec DIR --out EVAL` and add the results with `python -m train.card --eval EVAL --psm DIR`.", ""])
 
 
 def _sections(text: str) -> list[tuple[str, str]]:

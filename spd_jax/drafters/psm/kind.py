@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
-from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema
+from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
 from spd_jax.drafters.shared import check_target, logical_axes, random_variables
 from spd_jax.models.attention import init_kv_cache
@@ -46,7 +46,8 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
              layers_from_target: bool = False, vocab_ids=None) -> dict:
     """PSM weights: random layers and projections, the LM head copied from the target's (its rows at
     vocab_ids [V'] with a draft vocabulary, which then needs them: `train.corpus.draft_vocab_ids`). With
-    layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers."""
+    layers_from_target, the Ls layers start as copies of the target's last Ls full-attention layers (q/k norms
+    the target lacks, `qk_norm`, keep their identity init)."""
     out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PSM")
     if layers_from_target:
         attn = target_params["layers"].get(ATTENTION)
@@ -54,7 +55,7 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
         if have < spec.num_layers:
             raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
                              f"{have} full-attention layers to copy")
-        for k in _layer_schema(cfg):
+        for k in _layer_schema(cfg, spec).keys() & attn.keys():
             # a copy: training donates the PSM's buffers, which must not alias the frozen target's
             out["params"][f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
     return out
@@ -79,7 +80,8 @@ def spec_from_json(d: dict, where: str = "") -> PSMConfig:
         raise PSMCheckpointError(f"PSM checkpoint {where} has format {d.get('format')!r}, this version reads "
                                  f"format {FORMAT}; retrain it with train.main")
     return PSMConfig(tuple(d["anchors"]), int(d["num_layers"]), tuple(d["plan"]), tuple(d["target"]),
-                     int(d.get("draft_vocab", 0)), bool(d.get("anchor_norm", False)), bool(d.get("own_head", False)))
+                     int(d.get("draft_vocab", 0)), bool(d.get("anchor_norm", False)), bool(d.get("own_head", False)),
+                     bool(d.get("qk_norm", False)))
 
 
 def check_spec(spec: PSMConfig, cfg: ModelConfig, stage_counts: Sequence[int], where: str = "",
@@ -111,7 +113,8 @@ def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2,
           rows: int | None = None) -> list:
     """One draft: the projections and Ls layers over the block of `rows` rows (default n + 1: a full
     pipeline), and the head -> [projections, Ls layers, head]."""
-    return psm_costs(cfg, spec.num_layers, spec.m, spec.draft_vocab, spec.n + 1 if rows is None else rows, context,
+    return psm_costs(layer_config(cfg, spec), spec.num_layers, spec.m, spec.draft_vocab,
+                     spec.n + 1 if rows is None else rows, context,
                      param_bytes, param_bytes if cache_bytes is None else cache_bytes)
 
 
@@ -136,6 +139,10 @@ def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
     if was.own_head and not spec.own_head:
         raise ValueError(f"init_from {init_from} trained its own head (own_head), this run's head is the target's: "
                          "its layers learnt to feed its own head; set own_head=true or start without init_from")
+    if was.qk_norm != spec.qk_norm:
+        raise ValueError(f"init_from {init_from} {'has' if was.qk_norm else 'has no'} per-head q/k norms in its layers "
+                         f"(qk_norm), this run's PSM {'has' if spec.qk_norm else 'has none'}: its layers do not fit; "
+                         "start without init_from")
     if was.own_head and spec.draft_vocab:
         # its head's rows are its own draft vocabulary's, this run's are recomputed from this run's corpus
         raise ValueError(f"init_from {init_from} trained its own head, and this run has a draft vocabulary "
@@ -175,7 +182,8 @@ TRAINING = Training(
     describe=lambda name, spec, d: (f"PSM for {name}: n={spec.n}, stages {list(spec.plan)}, anchors "
                                     f"{list(spec.anchors)}, staircase {list(spec.staircase)}, Ls={spec.num_layers}"
                                     f"{', anchor states normalised' if spec.anchor_norm else ''}"
-                                    f"{', its own head trained' if spec.own_head else ''}"),
+                                    f"{', its own head trained' if spec.own_head else ''}"
+                                    f"{', q/k norms in its layers' if spec.qk_norm else ''}"),
     exported=lambda final, spec, step, d: (f"PSM (step {step}) written to {final} (use: python -m infer.generate "
                                            f"--n {spec.n} --spec {final})"),
     init_options=lambda d: dict(layers_from_target=d.layers_from_target),

@@ -16,6 +16,10 @@ the training loss over V' cost V'/V of the full ones.
 Optionally (`own_head`) the head is the PSM's own, trained with it from the target's rows (the reference
 trains its head; by default it is the target's, shared and frozen, and a checkpoint does not store it).
 
+Optionally (`qk_norm`) the layers norm q and k per head (RMSNorm over head_dim, their own weights) where the
+target's attention does not: Qwen3's attention over the target's shapes, as the authors' reference builds its
+PSM layers for a Llama target (`spd_jax.convert.reference_psm`); a no-op for targets that norm them already.
+
 Optionally (`anchor_norm`) each anchor state is RMS-normalised over H with its own learned gain before the
 projections: the target's states are badly scaled for a linear map (SmolLM2: RMS 0.12 for the embedding,
 11.5 at h_22, 28 at h_29 with one dimension near 550: scales over two orders of magnitude apart in one
@@ -72,11 +76,12 @@ class PSMConfig:
     draft_vocab: int = 0  # V': the head's size over the draft vocabulary; 0 = the target's whole vocabulary
     anchor_norm: bool = False  # RMS-normalise each anchor state (own gain per anchor) before the projections
     own_head: bool = False  # the head is the PSM's own (trained, stored), not the target's shared frozen one
+    qk_norm: bool = False  # the layers norm q and k per head though the target's do not (`layer_config`)
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, stage_counts: Sequence[int], num_layers: int = 2,
                    anchors: Sequence[int] | None = None, draft_vocab: int = 0,
-                   anchor_norm: bool = False, own_head: bool = False) -> "PSMConfig":
+                   anchor_norm: bool = False, own_head: bool = False, qk_norm: bool = False) -> "PSMConfig":
         plan = tuple(int(c) for c in stage_counts)
         if sum(plan) != cfg.num_layers or min(plan) < 1:
             raise ValueError(f"stage plan {list(plan)} does not split the model's {cfg.num_layers} layers")
@@ -91,7 +96,9 @@ class PSMConfig:
         if not 0 <= draft_vocab <= cfg.vocab_size:
             raise ValueError(f"draft_vocab must be in 0..{cfg.vocab_size} (0: the whole vocabulary), got {draft_vocab}")
         draft_vocab = 0 if draft_vocab == cfg.vocab_size else int(draft_vocab)
-        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab, bool(anchor_norm), bool(own_head))
+        qk_norm = bool(qk_norm) and not cfg.qk_norm  # one identity for one network: on only where it adds norms
+        return cls(anchors, num_layers, plan, target_signature(cfg), draft_vocab, bool(anchor_norm), bool(own_head),
+                   qk_norm)
 
     @property
     def n(self) -> int:
@@ -116,9 +123,15 @@ def row_types(spec: PSMConfig, depth: jax.Array, completed: jax.Array) -> jax.Ar
     return jnp.where(completed, spec.m - 1, stair[jnp.clip(depth, 0, spec.n)])
 
 
-def _layer_schema(cfg: ModelConfig) -> dict:
-    """One full-attention decoder layer of the target's kind: the target's own weight schema."""
-    return schema.layer_schema(cfg, ATTENTION)
+def layer_config(cfg: ModelConfig, spec: PSMConfig) -> ModelConfig:
+    """The config the PSM's layers follow: the target's, with per-head q/k norms added under `qk_norm`.
+    Only the layers read it (the anchors, RoPE, the final norm and the head are the target's)."""
+    return dataclasses.replace(cfg, qk_norm=True) if spec.qk_norm else cfg
+
+
+def _layer_schema(cfg: ModelConfig, spec: PSMConfig) -> dict:
+    """One full-attention decoder layer of the target's kind (`layer_config`): the target's own weight schema."""
+    return schema.layer_schema(layer_config(cfg, spec), ATTENTION)
 
 
 class PSM(DraftHead, nn.Module):
@@ -142,7 +155,7 @@ class PSM(DraftHead, nn.Module):
             self.anchor_gain = self.param("anchor_gain", logical(identity, (None, "embed")), (self.spec.m, H))
         self.layers = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), ("layers", *leaf.axes)),
                                      (Ls, *leaf.shape))
-                       for k, leaf in _layer_schema(self.cfg).items()}
+                       for k, leaf in _layer_schema(self.cfg, self.spec).items()}
         self.setup_head(logical)
 
     def norm_anchors(self, h: jax.Array) -> jax.Array:
@@ -169,7 +182,8 @@ class PSM(DraftHead, nn.Module):
         """rows [B, T, H] at positions [pos, pos+T) over the PSM's own cache -> (hidden [B, T, H], cache)."""
         kinds = (ATTENTION,) * self.spec.num_layers
         x, c, _ = decoder.run_layers({ATTENTION: self.layers}, rows.astype(self.lm_head.dtype),
-                                     decoder.Cache(cache, None), pos, self.cfg, kinds, length=length)
+                                     decoder.Cache(cache, None), pos, layer_config(self.cfg, self.spec), kinds,
+                                     length=length)
         return x, c.kv
 
     def head_logits(self, x: jax.Array, final_norm: jax.Array, start: jax.Array | int = 0,
@@ -221,7 +235,8 @@ class PSM(DraftHead, nn.Module):
         runs only slot 0. A query costs K slots, so only positions in the loss pay for groups, and
         blocks of small fills for few slots (`deal_fills`).
         """
-        cfg, spec = self.cfg, self.spec
+        spec = self.spec
+        cfg = layer_config(self.cfg, spec)  # the layers' (the target's, but for `qk_norm`): the same RoPE and norms
         B, T, m, H = h.shape
         Ls, dt = spec.num_layers, self.lm_head.dtype
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
@@ -256,7 +271,8 @@ class PSM(DraftHead, nn.Module):
     def _groups(self, h: jax.Array, chain_kv: list, at: jax.Array, fill, k: int) -> jax.Array:
         """The groups of one block (`train_hidden`): h [B, T, m, H] anchor states, at [B, Q], fills
         (broadcast to [B, Q]) in 1..k, k slots -> [B, Q, H]."""
-        cfg, spec = self.cfg, self.spec
+        spec = self.spec
+        cfg = layer_config(self.cfg, spec)  # the layers' (the target's, but for `qk_norm`): the same RoPE and norms
         B, T, m, H = h.shape
         Q = at.shape[1]
         Ls, dt = spec.num_layers, self.lm_head.dtype
