@@ -44,7 +44,7 @@ from spd_jax import methods
 from spd_jax.decode.pipelined import plan_for
 from spd_jax.drafters.kind import Form
 from spd_jax.drafters.psm import PSMConfig, read_spec
-from spd_jax.pipeline import costs
+from spd_jax.pipeline import calibration, costs
 from spd_jax.pipeline.profile import loop_collectives, profile_cycle
 from spd_jax.sharding import request_cpu_devices
 
@@ -145,7 +145,7 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
     measured = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"]]
     measured[-1] += prof["psm_ms"]
     cpu_bytes = jnp.dtype(model.dtype).itemsize
-    cpu = costs.fit_cpu(prof, cfg, psm_cfg, param_bytes=cpu_bytes)
+    cpu = calibration.fit_cpu(prof, cfg, psm_cfg, param_bytes=cpu_bytes)
     ctx = prof["context"]
 
     def plans(hw, context, param_bytes, heads):

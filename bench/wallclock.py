@@ -47,7 +47,7 @@ from spd_jax.datasets import read_benchmark
 from spd_jax.decode.pipelined import plan_for
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.methods import METHODS
-from spd_jax.pipeline import costs
+from spd_jax.pipeline import calibration, costs
 from spd_jax.pipeline.profile import profile_cycle
 from spd_jax.progress import progress_bar
 from spd_jax.sharding import STAGE, request_cpu_devices, stage_mesh, vary
@@ -159,7 +159,7 @@ def predictions(args, prof: dict, link: dict, alpha: float) -> dict:
     cfg, plan = model.config, plan_for(model, 2)
     psm_cfg = (read_spec(args.spec) if args.spec and not args.random_psm
                else PSMConfig.for_target(cfg, plan.counts, num_layers=args.psm_layers))
-    fitted = costs.fit_cpu(prof, cfg, PSMConfig.for_target(cfg, plan.counts, num_layers=args.psm_layers))
+    fitted = calibration.fit_cpu(prof, cfg, PSMConfig.for_target(cfg, plan.counts, num_layers=args.psm_layers))
     H = link["hidden"]
     latency = link["allreduce_scalar_s"]
     bw = 4 * H / max(link["ppermute_hidden_s"] - latency, 1e-9)

@@ -15,7 +15,10 @@ from spd_jax.drafters import registry
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSMConfig, init_psm
 from spd_jax.models.costs import embed_cost, head_cost, layer_costs, psm_costs
+from spd_jax.pipeline import baselines as base
+from spd_jax.pipeline import calibration as calib
 from spd_jax.pipeline import costs as cyc
+from spd_jax.pipeline import factorisations as fz
 from spd_jax.pipeline.partition import StagePlan, balanced
 from spd_jax.pipeline.profile import profile_cycle
 
@@ -188,7 +191,7 @@ def _profile_of(hw, cfg, plan, psm, context, ar_step=True):
                 verify_ms=1e3 * hw.part_s([cc.head_shard]), psm_ms=1e3 * hw.part_s(cc.psm_body),
                 psm_head_ms=1e3 * hw.part_s([cc.psm_head_shard]), comm_ms=1e3 * cyc.comm_s(cc, hw), context=context,
                 stage_layers=list(plan.counts))
-    return prof | (dict(ar_step_ms=1e3 * cyc.ar_step_s(cfg, hw, context, 4)) if ar_step else {})
+    return prof | (dict(ar_step_ms=1e3 * base.ar_step_s(cfg, hw, context, 4)) if ar_step else {})
 
 
 def test_fit_cpu_recovers_a_known_machine():
@@ -200,7 +203,7 @@ def test_fit_cpu_recovers_a_known_machine():
     psm = _psm_cfg(cfg, plan)
     true = cyc.Hardware("true", 1e18, 23e9, 40e-6, 23e9, 120e-6, "synthetic", False, stage_efficiency=0.5)
     prof = _profile_of(true, cfg, plan, psm, 300)
-    hw = cyc.fit_cpu(prof, cfg, psm, param_bytes=4)
+    hw = calib.fit_cpu(prof, cfg, psm, param_bytes=4)
     assert hw.mem_bytes_per_s == pytest.approx(23e9, rel=1e-6)
     assert hw.stage_efficiency == pytest.approx(0.5, rel=1e-6)
     assert hw.launch_s == pytest.approx(120e-6, rel=1e-6)
@@ -209,10 +212,10 @@ def test_fit_cpu_recovers_a_known_machine():
     # the fitted profile reproduces the measured parts and the AR step
     busy = cyc.device_busy(cfg, plan, psm, hw, 300, param_bytes=4)
     assert busy[1] == pytest.approx((prof["stage_ms"][1] + prof["verify_ms"] + prof["psm_head_ms"]) / 1e3)
-    assert cyc.ar_step_s(cfg, hw, 300, 4) == pytest.approx(prof["ar_step_ms"] / 1e3)
+    assert base.ar_step_s(cfg, hw, 300, 4) == pytest.approx(prof["ar_step_ms"] / 1e3)
     # an older profile, no AR step: one bandwidth
     one = dataclasses.replace(true, stage_efficiency=1.0)
-    hw1 = cyc.fit_cpu(_profile_of(one, cfg, plan, psm, 300, ar_step=False), cfg, psm, param_bytes=4)
+    hw1 = calib.fit_cpu(_profile_of(one, cfg, plan, psm, 300, ar_step=False), cfg, psm, param_bytes=4)
     assert hw1.mem_bytes_per_s == pytest.approx(23e9, rel=1e-6) and hw1.stage_efficiency == 1.0
 
 
@@ -224,7 +227,7 @@ def test_profile_cycle_times_what_the_fit_reads(tiny_ckpt):
     prof = profile_cycle(model, plan, psm_layers=1, context=16, iters=2)
     assert set(prof) >= {"stage_ms", "verify_ms", "psm_ms", "psm_head_ms", "ar_step_ms", "comm_ms"}
     assert len(prof["stage_ms"]) == 2 and min(*prof["stage_ms"], prof["ar_step_ms"], prof["comm_ms"]) > 0
-    hw = cyc.fit_cpu(prof, model.config, PSMConfig.for_target(model.config, plan.counts, num_layers=1), param_bytes=4)
+    hw = calib.fit_cpu(prof, model.config, PSMConfig.for_target(model.config, plan.counts, num_layers=1), param_bytes=4)
     assert hw.mem_bytes_per_s > 0 and "AR step" in hw.assumes
 
 
@@ -233,15 +236,15 @@ def test_tp_counts_what_its_placement_splits():
     (free links: exactly n-way) and ends each in two all-reduces of [H], plus the embedding's; SmolLM2's 9
     query heads stay whole on 2, 4 and 8 devices (one all-reduce per layer, its MLP's), split on 3."""
     cfg = ModelConfig.named("qwen3-0.6b")
-    t = cyc.tp_step(cfg, _PLAIN, 4, 256)
+    t = base.tp_step(cfg, _PLAIN, 4, 256)
     assert t["all_reduces"] == 2 * cfg.num_layers + 1
-    assert cyc.ar_step_s(cfg, _PLAIN, 256) / t["step_s"] == pytest.approx(4, rel=1e-3)
+    assert base.ar_step_s(cfg, _PLAIN, 256) / t["step_s"] == pytest.approx(4, rel=1e-3)
     small = ModelConfig.named("smollm2-135m-instruct")
-    assert [cyc.tp_step(small, _PLAIN, n, 256)["all_reduces"] for n in (2, 3, 4, 8)] == [31, 61, 31, 31]
+    assert [base.tp_step(small, _PLAIN, n, 256)["all_reduces"] for n in (2, 3, 4, 8)] == [31, 61, 31, 31]
     links = dataclasses.replace(_PLAIN, link_latency_s=1e-5)
-    assert cyc.tp_step(cfg, links, 4, 256)["comm_s"] == pytest.approx((2 * cfg.num_layers + 2) * 1e-5)
+    assert base.tp_step(cfg, links, 4, 256)["comm_s"] == pytest.approx((2 * cfg.num_layers + 2) * 1e-5)
     # gpt-fast's placement: embedding and head whole, no all-reduce for them
-    assert cyc.tp_step(cfg, links, 4, 256, vocab_split=False)["all_reduces"] == 2 * cfg.num_layers
+    assert base.tp_step(cfg, links, 4, 256, vocab_split=False)["all_reduces"] == 2 * cfg.num_layers
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -271,14 +274,14 @@ def test_the_cost_model_counts_drafters_through_their_kinds(monkeypatch):
     cc = cyc.cycle_costs(cfg, plan, psm, 512)
     assert [*cc.psm_body, cc.psm_head] == registry.PSM.cost(cfg, psm, 512, rows=plan.n + 1)
     layer, head = registry.EAGLE3.cost(cfg, e3, 512)
-    parts = cyc.eagle3_round_costs(cfg, 3, 512)
+    parts = base.eagle3_round_costs(cfg, 3, 512)
     assert parts["draft"] == [[head], [layer, head], [layer, head]]
     assert parts["commit"][0][1] == registry.EAGLE3.cost(cfg, e3, 512, rows=4)[0]
     for k in (registry.PSM, registry.EAGLE3):  # a kind's count doubled: the cost model's drafter parts double
         monkeypatch.setattr(k, "cost", lambda *a, _c=k.cost, **kw: [dataclasses.replace(c, flops=2 * c.flops)
                                                                     for c in _c(*a, **kw)])
     assert [c.flops for c in cyc.cycle_costs(cfg, plan, psm, 512).psm_body] == [2 * c.flops for c in cc.psm_body]
-    assert cyc.eagle3_round_costs(cfg, 3, 512)["draft"][1] == [dataclasses.replace(c, flops=2 * c.flops)
+    assert base.eagle3_round_costs(cfg, 3, 512)["draft"][1] == [dataclasses.replace(c, flops=2 * c.flops)
                                                               for c in (layer, head)]
 
 
@@ -287,29 +290,29 @@ def test_eagle3_round_projection():
     every draft accepted (k + 1 per round) is faster but below k + 1; a larger k costs more per round."""
     cfg = ModelConfig.named("qwen3-0.6b")
     for hw in (cyc.H200_NVLINK, cyc.TPU_V5E_ICI):
-        slow = cyc.predict_eagle3(cfg, 3, hw, 512, 1.0)
-        fast = cyc.predict_eagle3(cfg, 3, hw, 512, 4.0)
+        slow = base.predict_eagle3(cfg, 3, hw, 512, 1.0)
+        fast = base.predict_eagle3(cfg, 3, hw, 512, 4.0)
         assert slow["speedup"] < 1 < fast["speedup"] < 4
         assert set(slow["parts_s"]) == {"draft", "target", "commit"}
         assert slow["round_s"] > slow["ar_step_s"]  # the k + 1 position pass reads the weights once, plus drafts
-        assert cyc.predict_eagle3(cfg, 7, hw, 512, 1.0)["round_s"] > slow["round_s"]
+        assert base.predict_eagle3(cfg, 7, hw, 512, 1.0)["round_s"] > slow["round_s"]
 
 
 def test_acceptance_carries_across_depths():
     """S0 at n = 8 read as a per-draft acceptance p (docs/SPD.md, section 3) and back; held at the
     reference's n = 8 p, n = 4 lands at 2.53 where the reference measured 2.64 (its own n = 4 PSM): within 5%,
     which is what projecting other depths at one p assumes."""
-    p = cyc.acceptance(3.39, 8, 4, 32)
-    assert p == pytest.approx(0.806, abs=1e-3) and 8 * cyc.alpha_at(p, 8) == pytest.approx(3.39)
-    assert 4 * cyc.alpha_at(p, 4) == pytest.approx(2.64, rel=0.05)
-    assert cyc.alpha_at(1.0, 8) == 1.0 and cyc.alpha_at(0.0, 8) == pytest.approx(1 / 8)
+    p = fz.acceptance(3.39, 8, 4, 32)
+    assert p == pytest.approx(0.806, abs=1e-3) and 8 * fz.alpha_at(p, 8) == pytest.approx(3.39)
+    assert 4 * fz.alpha_at(p, 4) == pytest.approx(2.64, rel=0.05)
+    assert fz.alpha_at(1.0, 8) == 1.0 and fz.alpha_at(0.0, 8) == pytest.approx(1 / 8)
 
 
 def test_factorisations_of_a_device_count():
-    got = {(f.stages, f.model, f.psm_own) for f in cyc.factorisations(8)}
+    got = {(f.stages, f.model, f.psm_own) for f in fz.factorisations(8)}
     assert got == {(8, 1, False), (4, 2, False), (2, 4, False), (1, 8, False), (7, 1, True), (3, 2, True)}
-    assert all(f.devices == 8 for f in cyc.factorisations(8))
-    assert [f.method for f in (cyc.Factorisation(1, 1), cyc.Factorisation(1, 8), cyc.Factorisation(4, 2))] == [
+    assert all(f.devices == 8 for f in fz.factorisations(8))
+    assert [f.method for f in (fz.Factorisation(1, 1), fz.Factorisation(1, 8), fz.Factorisation(4, 2))] == [
         "ar", "tp", "spd"]
 
 
@@ -320,7 +323,7 @@ def test_a_mesh_of_one_model_column_is_the_pipeline():
     psm = _psm_cfg(cfg, plan)
     for d in (plan.n - 1, plan.n):
         r = cyc.predict(cfg, 4, psm, cyc.H100_NVLINK, 512, S0=2.0, plan=plan, psm_device=d)
-        assert cyc.mesh_cycle(cfg, plan, psm, cyc.H100_NVLINK, 512, psm_device=d)["cycle_s"] == pytest.approx(
+        assert fz.mesh_cycle(cfg, plan, psm, cyc.H100_NVLINK, 512, psm_device=d)["cycle_s"] == pytest.approx(
             r["spd_cycle_s"])
 
 
@@ -359,7 +362,7 @@ def test_mesh_nodes_and_the_best_tp_stays_in_a_node():
     assert cyc.mesh_nodes(ib, 8, 1) == dict(model=1, stage=1, all=1, permute=1)
     assert cyc.mesh_nodes(cyc.H100_NVLINK, 16, 1)["stage"] == 1
     cfg = ModelConfig.named("qwen3.5-4b")
-    best = cyc.best_factorisations(cfg, 16, ib, 1024, 0.8, lambda n: 3)
+    best = fz.best_factorisations(cfg, 16, ib, 1024, 0.8, lambda n: 3)
     tp16 = next(r for r in best["all"] if r["method"] == "tp" and r["devices"] == 16)
     assert best["tp"]["devices"] == 8 and tp16["speedup"] < best["tp"]["speedup"]
     assert best["spd"]["speedup"] == max(r["speedup"] for r in best["all"] if r["method"] == "spd")

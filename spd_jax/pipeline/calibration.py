@@ -1,6 +1,6 @@
 """The published measurements the hardware profiles (`spd_jax.pipeline.hardware`) are calibrated on, and
-the cost model's figure for each through the same formulas the projections use (`costs.ar_step_s`,
-`costs.tp_step_s`, `Hardware.all_gather_s`, `Hardware.all_reduce_s`); a published measurement kept out of
+the cost model's figure for each through the same formulas the projections use (`baselines.ar_step_s`,
+`baselines.tp_step_s`, `Hardware.all_gather_s`, `Hardware.all_reduce_s`); a published measurement kept out of
 the fit (`held_out`: SGLang's batch-1 tensor-parallel decode on H100), predicted under both latency classes;
 and the reference implementation's own cycle ratios (`paper_ratios`). `tests/test_calibration.py` holds them
 to their tolerances; `spd_jax.reports.projections` prints them. Numbers only: nothing runs or compiles here.
@@ -8,12 +8,22 @@ to their tolerances; `spd_jax.reports.projections` prints them. Numbers only: no
 
 from __future__ import annotations
 
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
 from spd_jax.config import ModelConfig
-from spd_jax.pipeline import costs
+from spd_jax.models.costs import embed_cost, head_cost, layer_costs
+from spd_jax.pipeline import baselines, costs, factorisations
 from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_IB, H100_NVLINK, L40S_PCIE, TPU_V5E_ICI, Hardware
+from spd_jax.pipeline.partition import StagePlan
 
 # pytorch-labs/gpt-fast README.md, "Tensor Parallelism": Llama-2-7B bf16, batch 1, 8 x A100-80GB (330 W,
 # hybrid cube mesh), tokens/s on 1 / 2 / 4 / 8 GPUs; a 5-token prompt and generate.py's 200 new tokens
+if TYPE_CHECKING:  # the drafters (Flax) are imported only where their costs are counted
+    from spd_jax.drafters.psm import PSMConfig
+
 GPT_FAST_TOK_S = {1: 104.9, 2: 168.84, 4: 254.02, 8: 328.43}
 GPT_FAST_CONTEXT = 105  # the mean decode position
 # gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, "Other Benchmark Cases", BS=1 baseline:
@@ -46,8 +56,8 @@ PAPER_CYCLE_MS, PAPER_PSM_MS, PAPER_STAGE_MS = 5.41, 3.49, 4.20
 def gpt_fast_speedups(hw: Hardware = A100_GPT_FAST) -> dict[int, float]:
     """Llama-2-7B on `hw`: tp on n devices against one, in gpt-fast's placement (embedding and head whole)."""
     cfg = ModelConfig.named("llama-2-7b")
-    one = costs.ar_step_s(cfg, hw, GPT_FAST_CONTEXT)
-    return {n: one / costs.tp_step_s(cfg, hw, n, GPT_FAST_CONTEXT, vocab_split=False) for n in (2, 4, 8)}
+    one = baselines.ar_step_s(cfg, hw, GPT_FAST_CONTEXT)
+    return {n: one / baselines.tp_step_s(cfg, hw, n, GPT_FAST_CONTEXT, vocab_split=False) for n in (2, 4, 8)}
 
 
 def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: Hardware = TPU_V5E_ICI,
@@ -57,11 +67,11 @@ def figures(a100: Hardware = A100_GPT_FAST, h100: Hardware = H100_NVLINK, v5e: H
     speedups = gpt_fast_speedups(a100)
     out = [dict(what="gpt-fast Llama-2-7B, 1 x A100, ms/token", unit="ms", source=gf_src,
                 published=1e3 / GPT_FAST_TOK_S[1],
-                model=1e3 * costs.ar_step_s(ModelConfig.named("llama-2-7b"), a100, GPT_FAST_CONTEXT))]
+                model=1e3 * baselines.ar_step_s(ModelConfig.named("llama-2-7b"), a100, GPT_FAST_CONTEXT))]
     out += [dict(what=f"gpt-fast Llama-2-7B, TP {n} speedup", unit="x", source=gf_src,
                  published=GPT_FAST_TOK_S[n] / GPT_FAST_TOK_S[1], model=speedups[n]) for n in (2, 4, 8)]
     out.append(dict(what="vLLM Qwen3-8B, 1 x H100, batch 1, ms/token", unit="ms", published=1e3 * VLLM_QWEN3_8B_STEP_S,
-                    model=1e3 * costs.ar_step_s(ModelConfig.named("qwen3-8b"), h100, VLLM_CONTEXT),
+                    model=1e3 * baselines.ar_step_s(ModelConfig.named("qwen3-8b"), h100, VLLM_CONTEXT),
                     source="gpustack/gpustack docs/performance-lab/qwen3-8b/h100-latency.md, BS=1"))
     out.append(dict(what="TPU v5e all-gather of 32 kB shards over 4 chips, us", unit="us",
                     published=1e6 * ICI_ALL_GATHER_S, model=1e6 * v5e.all_gather_s(32e3, 4),
@@ -81,11 +91,11 @@ def held_out(h100: Hardware = H100_NVLINK) -> list[dict]:
     model: the TP 1 step, and the TP 8 step and speedup under each latency class ->
     [{what, published, model, latency, unit, source}]."""
     cfg, ctx, src = ModelConfig.named("llama-3-8b"), SGLANG_CONTEXT, "sgl-project/sglang issue 1008"
-    one = costs.ar_step_s(cfg, h100, ctx)
+    one = baselines.ar_step_s(cfg, h100, ctx)
     out = [dict(what="SGLang Llama-3-8B, 1 x H100, batch 1, ms/token", unit="ms", latency="-",
                 published=1e3 * SGLANG_LLAMA3_8B_STEP_S[1], model=1e3 * one, source=src)]
     for cls in ("nccl", "one-shot"):
-        t8 = costs.tp_step_s(cfg, h100.with_latency(cls), 8, ctx)
+        t8 = baselines.tp_step_s(cfg, h100.with_latency(cls), 8, ctx)
         out.append(dict(what="SGLang Llama-3-8B, TP 8 on H100, batch 1, ms/token", unit="ms", latency=cls,
                         published=1e3 * SGLANG_LLAMA3_8B_STEP_S[8], model=1e3 * t8, source=src))
         out.append(dict(what="SGLang Llama-3-8B, TP 8 speedup over TP 1", unit="x", latency=cls,
@@ -98,13 +108,85 @@ def paper_ratios(hw: Hardware = H100_NVLINK, context: int = 1024) -> dict:
     (the paper's n + 1), the heads as the engine splits them -> {psm_over_stage: the PSM body over the
     slowest stage's layers, cycle_over_stage: the whole cycle (busiest device, head shards, collectives) over
     the same, and the paper's two}."""
-    from spd_jax.drafters.psm import PSMConfig  # the drafter's config (Flax): only when counted
+    from spd_jax.drafters.psm import (
+        PSMConfig,  # the drafter's config (Flax): only when counted
+    )
 
     cfg = ModelConfig.named("qwen3.5-4b")
     plan = costs.default_plan(cfg, 8)
     psm = PSMConfig.for_target(cfg, plan.counts, num_layers=3)
-    cyc = costs.mesh_cycle(cfg, plan, psm, hw, context, psm_device=plan.n)
+    cyc = factorisations.mesh_cycle(cfg, plan, psm, hw, context, psm_device=plan.n)
     stage = max(hw.part_s(s, stage=True) for s in cyc["costs"].stages)
     return dict(psm_over_stage=hw.part_s(cyc["costs"].psm_body) / stage, cycle_over_stage=cyc["cycle_s"] / stage,
                 paper_psm_over_stage=PAPER_PSM_MS / PAPER_STAGE_MS,
                 paper_cycle_over_stage=PAPER_CYCLE_MS / PAPER_STAGE_MS)
+
+
+def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: int = 4,
+            name: str = "this CPU (fitted)") -> Hardware:
+    """This machine's profile, fitted to a `spd_jax.pipeline.profile.profile_cycle` dict, for the model
+    `cfg` it was measured on with the PSM `psm_cfg`, in a dtype of `param_bytes`. The dict: stage_ms
+    [n], psm_ms (the PSM body), psm_head_ms and verify_ms (one vocabulary shard of each head), ar_step_ms
+    (one AR decoder step of the whole model; older profiles lack it), comm_ms (the cycle's collectives),
+    context, stage_layers.
+
+    Each measured part is taken as bytes / bandwidth + launch, with two bandwidths: the pipeline stages'
+    programs (their layers stacked per stage, which XLA:CPU copies out before each matmul) and every
+    other program (heads, the PSM, the AR step's per-layer weights); the three unknowns come from a
+    non-negative least-squares fit of the part times against their bytes (one bandwidth without an AR
+    step). The fixed cost per layer is not separable from the bytes here (a stage's bytes grow with its
+    layers) and is left at 0. FLOP/s is not identifiable from decode parts (their FLOPs grow with their
+    bytes), so peak is set to the lowest value under which every fitted layer stays memory-bound. The
+    link: the fitted bandwidth (host devices share memory) and a latency from the measured collectives
+    less their bytes at that bandwidth."""
+    plan = StagePlan(tuple(profile["stage_layers"]))
+    ctx = int(profile["context"])
+    cc = costs.cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes)
+    parts = [*cc.stages, (cc.head_shard,), cc.psm_body, (cc.psm_head_shard,)]
+    y = [*profile["stage_ms"], profile["verify_ms"], profile["psm_ms"], profile["psm_head_ms"]]
+    two = bool(profile.get("ar_step_ms"))  # an AR step: a second bandwidth, the stages' programs apart
+    if two:
+        parts.append((embed_cost(cfg, param_bytes), *layer_costs(cfg, ctx, param_bytes, param_bytes),
+                      head_cost(cfg, param_bytes)))
+        y.append(profile["ar_step_ms"])
+    y = 1e-3 * np.array(y)
+    x = np.array([sum(c.bytes for c in p) for p in parts], float)
+    stage = np.arange(len(parts)) < plan.n
+    cols = [np.where(stage, x, 0.0), np.where(stage, 0.0, x)] if two else [x]
+    *slopes, launch_s = _nonneg_lstsq(np.stack([*cols, np.ones_like(x)], 1), y)
+    bw = 1.0 / slopes[-1] if slopes[-1] > 0 else float(np.max(x / y))  # no slope: the fastest part's rate
+    stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
+    peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
+    coll = costs.collectives(cc, "sharded")
+    moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b, _ in coll)  # each device receives
+    latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0
+    pred = x * np.where(stage, 1.0 / (bw * stage_eff), 1.0 / bw) + launch_s
+    resid_ms = 1e3 * (y - pred)
+    names = [*(f"stage {s}" for s in range(plan.n)), "verify shard", "PSM body", "PSM head shard",
+             *(["AR step"] if two else [])]
+    return Hardware(
+        name, peak_flops_per_s=float(peak), mem_bytes_per_s=float(bw), link_latency_s=float(latency),
+        link_bytes_per_s=float(bw), launch_s=float(launch_s), projection=False, stage_efficiency=float(stage_eff),
+        assumes=f"fitted here from {len(y)} measured parts ({', '.join(names)}; one jitted call each, incl. host "
+                f"dispatch) as bytes/bandwidth + launch: {bw / 1e9:.1f} GB/s, the stages' programs at "
+                f"{stage_eff:.2f} of it, launch {1e6 * launch_s:.0f} us; residuals (ms) "
+                + ", ".join(f"{k} {r:+.2f}" for k, r in zip(names, resid_ms))
+                + f"; peak FLOP/s not identifiable, set to {peak / 1e9:.0f} GFLOP/s (every fitted layer "
+                f"memory-bound); link: the fitted bandwidth and {1e6 * latency:.1f} us per collective from comm_ms; "
+                "on this host the n devices share its cores, so stages do not really run in parallel")
+
+
+def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares y ~ X c with c >= 0, by trying every set of free columns (the others held at 0) and
+    keeping the best feasible fit: exact for the few columns used here."""
+    k = X.shape[1]
+    best, best_sse = np.zeros(k), float(y @ y)
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            c, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if np.all(c >= 0):
+                sse = float(np.sum((y - X[:, cols] @ c) ** 2))
+                if sse < best_sse:
+                    best, best_sse = np.zeros(k), sse
+                    best[list(cols)] = c
+    return best

@@ -1,6 +1,7 @@
 """Per-cycle cost model of SPD on a hardware profile: each device's busy time per cycle, the cycle, and
-the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part; and
-one round of the EAGLE-3-style chain baseline on one device (`predict_eagle3`), counted the same way.
+the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part (the
+baselines' steps: `spd_jax.pipeline.baselines`; every (stage, model) split of a device count:
+`spd_jax.pipeline.factorisations`).
 
 Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema; a
 drafter's from its kind, `DrafterKind.cost`, the one count of its draft):
@@ -22,21 +23,20 @@ choices (per head, its shard's max logit and its smallest id at that max; [1, 2]
 the heads whole on the last stage that stage's two ids). Sampled, the draft's and the verification's draws
 add their filters' candidates, softmax reductions and Gumbel argmaxes, as XLA compiles them
 (tests/test_spd.py checks the counts against the compiled loop). `tp` keeps its own collectives
-(`tp_step`: an all-reduce of [H] after every split attention-out or MLP-down projection, one for the
+(`baselines.tp_step`: an all-reduce of [H] after every split attention-out or MLP-down projection, one for the
 vocabulary-split embedding, one for the argmax over the vocabulary shards), as its placement
 (`sharding.TP_RULES`, heads split only where the device count divides them) runs them.
 
-On a (stage, model) mesh (`cycle_costs(model=...)`, `Factorisation`, `predict_factorisation`) each stage's
+On a (stage, model) mesh (`cycle_costs(model=...)`, `factorisations.predict_factorisation`) each stage's
 layers, and the PSM's, split over `model` devices as `tp` splits them, their all-reduces along `model` adding
 to the stage's time; the heads split over `stage` or over both axes, whichever is cheaper; the PSM on a stage
-or on a row of its own. `best_factorisations` compares every split of a device count, acceptance held per
-draft (`acceptance`, `alpha_at`).
+or on a row of its own.
 
 Every part and collective is costed by its `spd_jax.pipeline.hardware.Hardware` profile: the roofline at
 the achievable bandwidth, a fixed cost per decoder layer and per program, and per collective a latency
 by kind and device count plus its bytes over the achievable link bandwidth. The H100, H200, TPU v5e and
 v5p profiles are projections from published figures (each constant's source is in `hardware`), not
-measurements; `fit_cpu` fits this machine's from `spd_jax.pipeline.profile.profile_cycle`.
+measurements; `calibration.fit_cpu` fits this machine's from `spd_jax.pipeline.profile.profile_cycle`.
 This module computes numbers only: it must not run or compile anything.
 """
 
@@ -44,24 +44,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
-
 from spd_jax.config import ATTENTION, ModelConfig
-from spd_jax.models import schema
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
+from spd_jax.pipeline.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_step
 from spd_jax.pipeline.hardware import (A100_GPT_FAST, H100_NVLINK, H200_NVLINK, PROFILES, TPU_V5E_ICI,  # noqa: F401
                                        TPU_V5P_ICI, Hardware)
 from spd_jax.pipeline.partition import StagePlan, balanced, plan_stages
-from spd_jax.sharding import MODEL, TP_RULES, logical_spec
 
 if TYPE_CHECKING:  # the drafters (Flax) are imported only when their costs are counted
     from spd_jax.drafters.psm import PSMConfig
 
-SCALAR_BYTES = 4  # an int32 / float32 decision value
 HEADS = ("sharded", "last")  # where the heads run: vocabulary-parallel on every device (the engine), or the last
 HEAD_AXES = ("stage", "both")  # on a (stage, model) mesh, the mesh axes the heads' vocabulary is split over
 INT32_BYTES = FLOAT32_BYTES = 4
@@ -181,13 +175,6 @@ def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, mode
             total += ars
         out.append(c)
     return out, total
-
-
-def _drafter_kinds():
-    """`spd_jax.drafters.registry`, whose kinds' `cost` is the one count of each drafter's draft; imported
-    when counted (the drafters import Flax, and this module needs none of it otherwise)."""
-    from spd_jax.drafters import registry
-    return registry
 
 
 def check_psm_device(n: int, psm_device: int | None) -> int:
@@ -399,281 +386,3 @@ def predict(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, context:
                  "all-gathers (greedy choices); tp: its placement's compute + all-reduces; pipeline: n cycles of "
                  "the engine without a drafter; excluded: prefill, host transfers, sampling's extra scalar "
                  "reductions, rollback refills (in alpha)")
-
-
-def acceptance(S0: float, n: int, max_layers: int, num_layers: int) -> float:
-    """The per-draft acceptance p an n-stage S0 implies: alpha = S0 x max(stage layers) / L, and
-    alpha = 1 / (1 + (1 - p)(n - 1)) (docs/SPD.md, section 3)."""
-    alpha = S0 * max_layers / num_layers
-    return 1.0 - (1.0 / alpha - 1.0) / (n - 1)
-
-
-def alpha_at(p: float, n: int) -> float:
-    """Committed tokens per cycle at n stages for a per-draft acceptance p (docs/SPD.md, section 3): a
-    rejection costs the n - 1 cycles the pipeline takes to refill."""
-    return 1.0 / (1.0 + (1.0 - p) * (n - 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class Factorisation:
-    """Devices as `stages` pipeline stages, each `model` devices wide (tensor parallel inside each stage, by
-    `sharding.TP_RULES`); with `psm_own`, one more row of `model` devices runs the PSM body alone (the
-    paper's n + 1). stages = 1: pure `tp`; stages = model = 1: `ar`."""
-
-    stages: int
-    model: int
-    psm_own: bool = False
-
-    @property
-    def devices(self) -> int:
-        return (self.stages + self.psm_own) * self.model
-
-    @property
-    def method(self) -> str:
-        return "ar" if self.devices == 1 else "tp" if self.stages == 1 else "spd"
-
-    def __str__(self) -> str:
-        return f"{self.stages} x {self.model}" + (" + PSM row" if self.psm_own else "")
-
-
-def factorisations(devices: int) -> list[Factorisation]:
-    """Every (stage, model) split of `devices`: stages x model = devices, the PSM on a stage (stages = 1:
-    pure `tp`), and (stages + 1) x model = devices, the PSM on a row of its own (stages >= 2: one stage
-    pipelines nothing)."""
-    out = [Factorisation(devices // m, m) for m in range(1, devices + 1) if devices % m == 0]
-    out += [Factorisation(devices // m - 1, m, True) for m in range(1, devices + 1)
-            if devices % m == 0 and devices // m - 1 >= 2]
-    return sorted(out, key=lambda f: (f.psm_own, -f.stages))
-
-
-def mesh_cycle(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, hw: Hardware, context: int,
-               model: int = 1, psm_device: int | None = None, head_axes: str = "stage", param_bytes: int = 2,
-               heads: str = "sharded", sampled: bool = False, filter_rows: int = 0) -> dict:
-    """One cycle of the engine on a (len(plan), model) mesh (psm_cfg None: the plain pipeline) -> {cycle_s
-    (busiest row + collectives), busy_s [rows], comm_s, costs (the `CycleCosts`)}."""
-    cc = cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device, model=model,
-                     head_axes=head_axes)
-    busy = _busy_s(cc, hw, heads)
-    comm = comm_s(cc, hw, heads, sampled, filter_rows)
-    return dict(cycle_s=max(busy) + comm, busy_s=busy, comm_s=comm, costs=cc)
-
-
-def predict_factorisation(cfg: ModelConfig, f: Factorisation, hw: Hardware, context: int, p: float,
-                          psm_layers: int, param_bytes: int = 2) -> dict:
-    """One factorisation's seconds per token and speedup over `ar` on `hw`, at per-draft acceptance p.
-    ar and tp: their step (`ar_step_s`, `tp_step` over `model` devices, across nodes where wider than one).
-    spd: the default plan of `stages` stages (`default_plan`), a PSM of `psm_layers` layers for it, placed on
-    the stage or its own row, and the heads split over `stage` or over both axes, whichever gives the
-    shortest cycle; alpha = `alpha_at(p, stages)`, speedup alpha x t_ar / cycle. pipeline (the PSM on a
-    stage only): the same mesh without a drafter, `stages` cycles per token. -> {factorisation, method,
-    devices, step_s, speedup, psm (where the PSM body runs: "stage s", "own row"), head_axes, alpha, and for
-    spd pipeline_s and speedup_pipeline}."""
-    t_ar = ar_step_s(cfg, hw, context, param_bytes)
-    out = dict(factorisation=f, method=f.method, devices=f.devices, hardware=hw.name, latency=hw.latency_class)
-    if f.method != "spd":
-        t = t_ar if f.method == "ar" else tp_step(cfg, hw, f.model, context, param_bytes)["step_s"]
-        return out | dict(step_s=t, speedup=t_ar / t)
-    from spd_jax.drafters.psm import PSMConfig  # the drafter's config (Flax): only when counted
-
-    plan = default_plan(cfg, f.stages)
-    psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
-    axes = HEAD_AXES if f.model > 1 else ("stage",)
-    places = [f.stages] if f.psm_own else range(f.stages)
-    best = min((mesh_cycle(cfg, plan, psm_cfg, hw, context, f.model, d, ax, param_bytes) | dict(psm_device=d, axes=ax)
-                for d in places for ax in axes), key=lambda r: r["cycle_s"])
-    alpha = alpha_at(p, f.stages)
-    out |= dict(step_s=best["cycle_s"] / alpha, speedup=alpha * t_ar / best["cycle_s"], cycle_s=best["cycle_s"],
-                comm_s=best["comm_s"], alpha=alpha, S0=alpha * cfg.num_layers / plan.max_layers,
-                psm="own row" if f.psm_own else f"stage {best['psm_device']}", head_axes=best["axes"])
-    if not f.psm_own:
-        plain = min(mesh_cycle(cfg, plan, None, hw, context, f.model, None, ax, param_bytes)["cycle_s"] for ax in axes)
-        out |= dict(pipeline_s=f.stages * plain, speedup_pipeline=t_ar / (f.stages * plain))
-    return out
-
-
-def best_factorisations(cfg: ModelConfig, devices: int, hw: Hardware, context: int, p: float,
-                        psm_layers, param_bytes: int = 2) -> dict:
-    """Every factorisation of `devices` and of each count that divides it (`factorisations`: a method need
-    not use every device; pure tp over 16 GPUs on two nodes is slower than over the 8 of one) projected
-    (`predict_factorisation`; psm_layers(stages) -> the PSM's layer count at that depth) -> {"all": every row,
-    "spd": the best spd row, "tp": the best pure tp row (or ar), "pipeline": the best plain pipeline row (its
-    speedup in speedup_pipeline)}."""
-    rows = [predict_factorisation(cfg, f, hw, context, p, psm_layers(f.stages), param_bytes)
-            for d in range(1, devices + 1) if devices % d == 0 for f in factorisations(d)]
-    spd = [r for r in rows if r["method"] == "spd"]
-    return dict(all=rows, spd=max(spd, key=lambda r: r["speedup"], default=None),
-                tp=max((r for r in rows if r["method"] in ("tp", "ar")), key=lambda r: r["speedup"]),
-                pipeline=max((r for r in spd if "speedup_pipeline" in r), key=lambda r: r["speedup_pipeline"],
-                             default=None))
-
-
-def ar_step_s(cfg: ModelConfig, hw: Hardware, context: int, param_bytes: int = 2) -> float:
-    """`ar`'s step on one device: one token through the embedding, every layer and the head, one program."""
-    return hw.part_s([embed_cost(cfg, param_bytes), *layer_costs(cfg, context, param_bytes, param_bytes),
-                      head_cost(cfg, param_bytes)])
-
-
-def _tp_split(axes: tuple, n: int, units: dict) -> tuple:
-    """The mesh axis (MODEL or None) of each dimension of an array with logical `axes` under n-way
-    `TP_RULES`: `sharding.logical_spec` over an n-device `model` axis."""
-    spec = tuple(logical_spec(axes, TP_RULES, SimpleNamespace(shape={MODEL: n}), units))
-    return spec + (None,) * (len(axes) - len(spec))
-
-
-def tp_layer_cost(cfg: ModelConfig, kind: str, context: int, n: int, param_bytes: int = 2,
-                  cache_bytes: int = 2) -> tuple[LayerCost, int]:
-    """One device's share of one layer of `kind` under n-way tensor parallelism (`sharding.TP_RULES`, an
-    axis split only where n divides its units: heads whole) -> (its LayerCost, the all-reduces of [H] it
-    ends in: one per 2-D weight whose contracting (first) axis is split, e.g. attention-out and MLP-down).
-    A split weight is read 1/n per device and its matmul's FLOPs split with it; attention's context FLOPs
-    and KV cache split with the query and KV heads; a Gated DeltaNet mixer's state FLOPs and bytes with its
-    value heads."""
-    full, units = kind_cost(cfg, kind, context, param_bytes, cache_bytes), schema.axis_units(cfg)
-    weights = mm_flops = full_mm = 0.0
-    all_reduces = 0
-    for leaf in schema.layer_schema(cfg, kind).values():
-        split, size = _tp_split(leaf.axes, n, units), float(np.prod(leaf.shape))
-        weights += size / (n if MODEL in split else 1)
-        if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes:  # a matmul operand
-            full_mm, mm_flops = full_mm + 2 * size, mm_flops + 2 * size / (n if MODEL in split else 1)
-            all_reduces += split[0] == MODEL
-    if kind == ATTENTION:
-        heads, kv = (MODEL in _tp_split((axis,), n, units) for axis in ("q_heads", "kv_heads"))
-    else:  # Gated DeltaNet: the conv channels by key-head group, the state by value heads
-        heads = kv = MODEL in _tp_split(("conv",), n, units) and MODEL in _tp_split(("v_heads",), n, units)
-    rest = (full.flops - full_mm) / (n if heads else 1)  # the mixer's context or state FLOPs
-    return LayerCost(kind, full.params, int(mm_flops + rest), int(weights * param_bytes),
-                     int(full.state_bytes / (n if kv else 1))), all_reduces
-
-
-def tp_step(cfg: ModelConfig, hw: Hardware, n: int, context: int, param_bytes: int = 2,
-            vocab_split: bool = True) -> dict:
-    """`tp`'s step on n devices, one program: each device's share of every layer (`tp_layer_cost`), the
-    embedding and the head (vocabulary-split, as `TP_RULES` places them, or whole with vocab_split=False:
-    gpt-fast's placement), and the all-reduces: of [H] after each split projection and for a split
-    embedding's lookup, and one of the argmax's (value, id) over a split head -> {step_s, comm_s,
-    all_reduces (of [H])}."""
-    vocab = int(vocab_split and MODEL in _tp_split(("vocab",), n, schema.axis_units(cfg)))
-    shares = [tp_layer_cost(cfg, kind, context, n, param_bytes, param_bytes) for kind in cfg.layer_types]
-    head = head_cost(cfg, param_bytes, -(-cfg.vocab_size // n) if vocab else None)
-    compute = hw.part_s([embed_cost(cfg, param_bytes), *(c for c, _ in shares), head])
-    hidden = sum(k for _, k in shares) + vocab
-    nodes = hw.nodes(n)  # a `model` axis wider than a node spans nodes
-    comm = (hidden * hw.all_reduce_s(cfg.hidden_size * param_bytes, n, nodes)
-            + vocab * hw.all_reduce_s(2 * SCALAR_BYTES, n, nodes))
-    return dict(step_s=compute + comm, comm_s=comm, all_reduces=hidden)
-
-
-def tp_step_s(cfg: ModelConfig, hw: Hardware, n: int, context: int, param_bytes: int = 2,
-              vocab_split: bool = True) -> float:
-    """Seconds of `tp`'s step on n devices (`tp_step`)."""
-    return tp_step(cfg, hw, n, context, param_bytes, vocab_split)["step_s"]
-
-
-def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int = 0,
-                       param_bytes: int = 2) -> dict[str, list[list[LayerCost]]]:
-    """The parts of one chain round of the EAGLE-3-style drafter on one device (`decode.chain` with
-    `drafters.eagle3.Eagle3Drafter`), as FLOPs and bytes: {part: [[LayerCost]]}, each inner list one
-    launch:
-    - "draft": k drafter steps on one row: the first is the head on the verified row's output, each later
-      one the drafter's decoder layer then its head (k heads, k - 1 layer rows);
-    - "target": one target pass over the k + 1 positions (embedding, every layer and the head on k + 1
-      rows; weights and caches read once, FLOPs times k + 1);
-    - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
-    The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
-    from spd_jax.drafters.eagle3 import Eagle3Config  # the drafter (Flax): only when counted
-
-    H, rows, pb = cfg.hidden_size, k + 1, param_bytes
-    spec = Eagle3Config.for_target(cfg, draft_vocab=draft_vocab)  # the default feature layers
-    m, cost = len(spec.layers), _drafter_kinds().EAGLE3.cost
-    step_layer, d_head = cost(cfg, spec, context, pb)  # one draft step: the layer on one row, the head
-    commit_layer, _ = cost(cfg, spec, context, pb, rows=rows)
-
-    def times(c, r):  # a head or an embedding on r rows: FLOPs and activations r times, weights once
-        return dataclasses.replace(c, flops=c.flops * r, state_bytes=c.state_bytes * r)
-
-    fc = LayerCost("eagle3_fc", m * H * H, 2 * m * H * H * rows, m * H * H * pb, rows * m * H * pb)
-    target = [times(embed_cost(cfg, pb), rows), *[kind_cost(cfg, kind, context, pb, pb, rows) for kind in
-                                                  cfg.layer_types], times(head_cost(cfg, pb), rows)]
-    return dict(draft=[[d_head]] + [[step_layer, d_head]] * (k - 1), target=[target], commit=[[fc, commit_layer]])
-
-
-def predict_eagle3(cfg: ModelConfig, k: int, hw: Hardware, context: int, tokens_per_round: float,
-                   draft_vocab: int = 0, param_bytes: int = 2) -> dict:
-    """Predicted seconds of one EAGLE-3 chain round on `hw` per part (`eagle3_round_costs`), and its
-    wall-clock speedup over `ar` at the measured tokens per round: tokens_per_round * t_ar / t_round."""
-    parts = {name: sum(hw.part_s(p) for p in ps)
-             for name, ps in eagle3_round_costs(cfg, k, context, draft_vocab, param_bytes).items()}
-    t_ar = ar_step_s(cfg, hw, context, param_bytes)
-    t_round = sum(parts.values())
-    return dict(parts_s=parts, round_s=t_round, ar_step_s=t_ar, speedup=tokens_per_round * t_ar / t_round)
-
-
-def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: int = 4,
-            name: str = "this CPU (fitted)") -> Hardware:
-    """This machine's profile, fitted to a `spd_jax.pipeline.profile.profile_cycle` dict, for the model
-    `cfg` it was measured on with the PSM `psm_cfg`, in a dtype of `param_bytes`. The dict: stage_ms
-    [n], psm_ms (the PSM body), psm_head_ms and verify_ms (one vocabulary shard of each head), ar_step_ms
-    (one AR decoder step of the whole model; older profiles lack it), comm_ms (the cycle's collectives),
-    context, stage_layers.
-
-    Each measured part is taken as bytes / bandwidth + launch, with two bandwidths: the pipeline stages'
-    programs (their layers stacked per stage, which XLA:CPU copies out before each matmul) and every
-    other program (heads, the PSM, the AR step's per-layer weights); the three unknowns come from a
-    non-negative least-squares fit of the part times against their bytes (one bandwidth without an AR
-    step). The fixed cost per layer is not separable from the bytes here (a stage's bytes grow with its
-    layers) and is left at 0. FLOP/s is not identifiable from decode parts (their FLOPs grow with their
-    bytes), so peak is set to the lowest value under which every fitted layer stays memory-bound. The
-    link: the fitted bandwidth (host devices share memory) and a latency from the measured collectives
-    less their bytes at that bandwidth."""
-    plan = StagePlan(tuple(profile["stage_layers"]))
-    ctx = int(profile["context"])
-    cc = cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes)
-    parts = [*cc.stages, (cc.head_shard,), cc.psm_body, (cc.psm_head_shard,)]
-    y = [*profile["stage_ms"], profile["verify_ms"], profile["psm_ms"], profile["psm_head_ms"]]
-    two = bool(profile.get("ar_step_ms"))  # an AR step: a second bandwidth, the stages' programs apart
-    if two:
-        parts.append((embed_cost(cfg, param_bytes), *layer_costs(cfg, ctx, param_bytes, param_bytes),
-                      head_cost(cfg, param_bytes)))
-        y.append(profile["ar_step_ms"])
-    y = 1e-3 * np.array(y)
-    x = np.array([sum(c.bytes for c in p) for p in parts], float)
-    stage = np.arange(len(parts)) < plan.n
-    cols = [np.where(stage, x, 0.0), np.where(stage, 0.0, x)] if two else [x]
-    *slopes, launch_s = _nonneg_lstsq(np.stack([*cols, np.ones_like(x)], 1), y)
-    bw = 1.0 / slopes[-1] if slopes[-1] > 0 else float(np.max(x / y))  # no slope: the fastest part's rate
-    stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
-    peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
-    coll = collectives(cc, "sharded")
-    moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b, _ in coll)  # each device receives
-    latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0
-    pred = x * np.where(stage, 1.0 / (bw * stage_eff), 1.0 / bw) + launch_s
-    resid_ms = 1e3 * (y - pred)
-    names = [*(f"stage {s}" for s in range(plan.n)), "verify shard", "PSM body", "PSM head shard",
-             *(["AR step"] if two else [])]
-    return Hardware(
-        name, peak_flops_per_s=float(peak), mem_bytes_per_s=float(bw), link_latency_s=float(latency),
-        link_bytes_per_s=float(bw), launch_s=float(launch_s), projection=False, stage_efficiency=float(stage_eff),
-        assumes=f"fitted here from {len(y)} measured parts ({', '.join(names)}; one jitted call each, incl. host "
-                f"dispatch) as bytes/bandwidth + launch: {bw / 1e9:.1f} GB/s, the stages' programs at "
-                f"{stage_eff:.2f} of it, launch {1e6 * launch_s:.0f} us; residuals (ms) "
-                + ", ".join(f"{k} {r:+.2f}" for k, r in zip(names, resid_ms))
-                + f"; peak FLOP/s not identifiable, set to {peak / 1e9:.0f} GFLOP/s (every fitted layer "
-                f"memory-bound); link: the fitted bandwidth and {1e6 * latency:.1f} us per collective from comm_ms; "
-                "on this host the n devices share its cores, so stages do not really run in parallel")
-
-
-def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares y ~ X c with c >= 0, by trying every set of free columns (the others held at 0) and
-    keeping the best feasible fit: exact for the few columns used here."""
-    k = X.shape[1]
-    best, best_sse = np.zeros(k), float(y @ y)
-    for r in range(1, k + 1):
-        for cols in itertools.combinations(range(k), r):
-            c, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
-            if np.all(c >= 0):
-                sse = float(np.sum((y - X[:, cols] @ c) ** 2))
-                if sse < best_sse:
-                    best, best_sse = np.zeros(k), sse
-                    best[list(cols)] = c
-    return best

@@ -18,7 +18,7 @@ import json
 from spd_jax.config import ModelConfig
 from spd_jax.drafters import eagle3 as eagle3_drafter
 from spd_jax.drafters.psm import PSMConfig, read_spec, shipped_psm
-from spd_jax.pipeline import calibration, costs
+from spd_jax.pipeline import baselines, calibration, costs, factorisations
 from spd_jax.pipeline.hardware import (H100_ETH, H100_IB, H100_NVLINK, H200_NVLINK, L40S_PCIE, TPU_V5E_ICI,
                                        TPU_V5P_ICI, Hardware)
 from spd_jax.pipeline.partition import StagePlan
@@ -45,7 +45,7 @@ MACHINES = (("H100", H100_NVLINK, 8), ("H200", H200_NVLINK, 8), ("TPU v5e", TPU_
             ("L40S PCIe", L40S_PCIE, 8), ("2 x 8 H100, IB", H100_IB, 16), ("2 x 8 H100, Ethernet", H100_ETH, 16))
 FACTOR_MODELS = ("qwen3.5-4b", "qwen3.5-9b")
 # S0 at n = 8 (the shipped SmolLM2 PSM's measured 1.56, the reference's 3.39), each read as a per-draft
-# acceptance p that sets alpha at every other depth (`costs.acceptance`, `costs.alpha_at`)
+# acceptance p that sets alpha at every other depth (`factorisations.acceptance`, `factorisations.alpha_at`)
 FACTOR_S0 = (1.56, 3.39)
 S0_DEPTH = 8
 
@@ -63,16 +63,17 @@ def latency_classes(hw: Hardware) -> tuple[str, ...]:
 
 def factorisation_rows() -> list[dict]:
     """For each machine, model, S0 and latency class: the best spd factorisation and the best pure tp
-    (`costs.best_factorisations`)."""
+    (`factorisations.best_factorisations`)."""
     rows = []
     for label, hw, devices in MACHINES:
         for name in FACTOR_MODELS:
             cfg = ModelConfig.named(name)
             at8 = costs.default_plan(cfg, S0_DEPTH)
             for S0 in FACTOR_S0:
-                p = costs.acceptance(S0, S0_DEPTH, at8.max_layers, cfg.num_layers)
+                p = factorisations.acceptance(S0, S0_DEPTH, at8.max_layers, cfg.num_layers)
                 for cls in latency_classes(hw):
-                    best = costs.best_factorisations(cfg, devices, hw.with_latency(cls), CONTEXT, p, psm_layers)
+                    best = factorisations.best_factorisations(cfg, devices, hw.with_latency(cls), CONTEXT, p,
+                                                              psm_layers)
                     rows.append(dict(machine=label, devices=devices, model=name, S0=S0, p=p, latency=cls,
                                      spd=best["spd"], tp=best["tp"], pipeline=best["pipeline"],
                                      spd_tp=best["spd"]["speedup"] / best["tp"]["speedup"]))
@@ -89,7 +90,7 @@ def factorisation_table(rows: list[dict]) -> list[str]:
     body = [[r["machine"], r["model"], f"{r['S0']:.2f} ({r['p']:.2f})", _latency_label(r["latency"], r["machine"]),
              f"{r['spd']['factorisation']} ({r['spd']['devices']} dev.)", r["spd"]["psm"], r["spd"]["head_axes"],
              f"{r['spd']['S0']:.2f}", _x(r["spd"]["speedup"]),
-             "ar" if r["tp"]["method"] == "ar" else f"tp {r['tp']['devices']}", _x(r["tp"]["speedup"]),
+             "ar" if r["tp"]["devices"] == 1 else f"tp {r['tp']['devices']}", _x(r["tp"]["speedup"]),
              _x(r["spd_tp"])] for r in rows]
     return table_lines(head, body)
 
@@ -242,8 +243,9 @@ def _held_out_lines() -> list[str]:
 def paper_n_plus_one() -> list[dict]:
     """The paper's own set-up: Qwen3.5-4B, 8 stages and the PSM on a ninth device, at the reference's S0."""
     cfg = ModelConfig.named("qwen3.5-4b")
-    p = costs.acceptance(HEADLINE_S0, S0_DEPTH, costs.default_plan(cfg, S0_DEPTH).max_layers, cfg.num_layers)
-    return [dict(machine=label, **costs.predict_factorisation(cfg, costs.Factorisation(8, 1, True), hw, CONTEXT, p,
+    p = factorisations.acceptance(HEADLINE_S0, S0_DEPTH, costs.default_plan(cfg, S0_DEPTH).max_layers, cfg.num_layers)
+    eight = factorisations.Factorisation(8, 1, True)
+    return [dict(machine=label, **factorisations.predict_factorisation(cfg, eight, hw, CONTEXT, p,
                                                               psm_layers(8)))
             for label, hw, _ in MACHINES[:3]]
 
@@ -256,7 +258,7 @@ def sampled_cost(hw: Hardware = H100_NVLINK, name: str = "qwen3.5-4b", filter_ro
     plan = costs.default_plan(cfg, 8)
     psm = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers(8))
     cc = costs.cycle_costs(cfg, plan, psm, CONTEXT)
-    cyc = costs.mesh_cycle(cfg, plan, psm, hw, CONTEXT)
+    cyc = factorisations.mesh_cycle(cfg, plan, psm, hw, CONTEXT)
     return dict(greedy_us=1e6 * costs.comm_s(cc, hw), sampled_us=1e6 * costs.comm_s(cc, hw, sampled=True),
                 filtered_us=1e6 * costs.comm_s(cc, hw, sampled=True, filter_rows=filter_rows),
                 cycle_us=1e6 * cyc["cycle_s"], n=len(costs.collectives(cc)),
@@ -335,8 +337,8 @@ def projections_markdown() -> str:
               "formula against NCCL's own. The rest comes from the sources, or is assumed where none was found "
               "(marked in `hardware.py`).", "",
               "Kept out of the fit, and held by `tests/test_calibration.py` (NCCL's class within 10%): SGLang's "
-              "batch-1 decode of Llama-3-8B on H100 at TP 1 and 8, under each latency class. NCCL's model lands on it; the "
-              "one-shot class is faster than measured, so on H100 it is `tp`'s optimistic bound:", "",
+              "batch-1 decode of Llama-3-8B on H100 at TP 1 and 8, under each latency class. NCCL's model lands on "
+              "it; the one-shot class is faster than measured, so on H100 it is `tp`'s optimistic bound:", "",
               *_held_out_lines(), "",
               "The reference code's own cycle (docs/SPD.md, section 8: Qwen3.5-4B, n = 8, Ls = 3, the PSM on a "
               f"ninth GPU): PSM / slowest stage {ratios['paper_psm_over_stage']:.2f}, cycle / slowest stage "
@@ -380,7 +382,7 @@ def projections_markdown() -> str:
     cfg = ModelConfig.named(SHIPPED_MODEL)
     dv = eagle3_drafter.read_spec(eagle3_drafter.shipped_eagle3(SHIPPED_MODEL)).draft_vocab
     lines += table_lines(["k", "tokens per round", *PROFILES],
-                         [[str(k), f"{t:.3f}", *(_x(costs.predict_eagle3(cfg, k, hw, CONTEXT, t, dv)["speedup"])
+                         [[str(k), f"{t:.3f}", *(_x(baselines.predict_eagle3(cfg, k, hw, CONTEXT, t, dv)["speedup"])
                                                  for hw in PROFILES.values())]
                           for k, t in EAGLE3_TOKENS_PER_ROUND.items()])
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from spd_jax.drafters import eagle3, registry
 from spd_jax.methods import METHODS
 from spd_jax.drafters.psm import PSMConfig, read_spec
-from spd_jax.pipeline import costs
+from spd_jax.pipeline import baselines, costs
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.reports.results import DRAFTER_FIELD, method_label
 
@@ -45,13 +45,13 @@ def pooled_table(table: list[dict], columns: list[str], heads: list[str] | None 
 # ---------------------------------------------------------------- projections (the cost model)
 
 def _project_ar(t: dict, cfg, hw, ctx: int) -> dict:
-    return dict(speedup=1.0, parts_s=dict(step=costs.ar_step_s(cfg, hw, ctx)))
+    return dict(speedup=1.0, parts_s=dict(step=baselines.ar_step_s(cfg, hw, ctx)))
 
 
 def _project_eagle3(t: dict, cfg, hw, ctx: int) -> dict:
     label = t.get("drafter_spec")
     dv = eagle3.read_spec(label).draft_vocab if registry.is_checkpoint(label) else 0
-    p = costs.predict_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
+    p = baselines.predict_eagle3(cfg, t["k"], hw, ctx, t["alpha"], dv)
     return dict(speedup=p["speedup"], parts_s=p["parts_s"])
 
 
@@ -72,7 +72,7 @@ def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
 
 def projector(method: str):
     """A method's name -> its projection on one hardware profile: (row, cfg, hw, ctx) -> {speedup over ar,
-    parts_s: its cycle by part}. The baseline: one step; a chain: `costs.predict_eagle3`; the others
+    parts_s: its cycle by part}. The baseline: one step; a chain: `baselines.predict_eagle3`; the others
     (tp, pipeline, spd): `costs.predict` at n."""
     m = METHODS[method]
     return _project_ar if m.baseline else _project_eagle3 if m.chain else _project_staged
@@ -82,7 +82,7 @@ def project(table: list[dict], cfg) -> None:
     """Add each table row's projected wall-clock speedup over `ar` and its projected cycle by part on the
     H200 and TPU v5e profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
     measured alpha, stage plan and PSM device (`costs.predict`: busiest device + collectives); tp and
-    pipeline from `costs.predict` at n; eagle3 from `costs.predict_eagle3` at its measured tokens per round;
+    pipeline from `costs.predict` at n; eagle3 from `baselines.predict_eagle3` at its measured tokens per round;
     ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
     for t in table:
         ctx = max(int(round(t["context"])), 1)
