@@ -105,7 +105,7 @@ KINDS = {
         meta_file=registry.EAGLE3.identity_file,
         staged=registry.EAGLE3.staged,
         title="# EAGLE-3-style drafter for {model}",
-        describe="A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3.py`), the baseline SPD is "
+        describe="A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3/`), the baseline SPD is "
                  "compared with: the target's hidden states {meta[layers]} (low, mid, high) fused by one linear "
                  "layer, one decoder layer of the target's attention kind, its own final norm and the target's LM "
                  "head ",
