@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter's training loss (the training-time test, `eagle3_loss`), its checkpoints (orbax +
-`eagle3.json` naming the target, its architecture and a fingerprint of its weights, and the feature layers;
-a mismatch is refused), its cost and its registry entry (`KIND`, with what training asks
+`eagle3.json` naming the target, its architecture and a fingerprint of its weights, the feature layers and
+the layer's sizes; a mismatch is refused), its cost and its registry entry (`KIND`, with what training asks
 of it: `TRAINING`). A drafter trained for a default model ships under `spd_jax/eagle3s/<model>/`
 (`shipped_eagle3`). The network is `model`."""
 
@@ -13,18 +13,18 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ATTENTION, ModelConfig, RopeConfig
 from spd_jax.distributed import to_host
 from spd_jax.drafters import store
 from spd_jax.drafters.base import features, join_params, teacher_forward
-from spd_jax.drafters.eagle3.model import Eagle3, Eagle3Config, eagle3_axes, init_eagle3, layer_schema
+from spd_jax.drafters.eagle3.model import DraftLayer, Eagle3, Eagle3Config, eagle3_axes, init_eagle3, layer_schema
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.shared import check_target
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import head_cost, kind_cost
 
-FORMAT = 1  # eagle3.json layout version
+FORMAT = 2  # eagle3.json layout version (1: before `layer`, read as the target's own attention layer)
 KIND_NAME = "eagle3"
 # Trained drafters shipped with the package, one directory per default model: "<model>/".
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "eagle3s"
@@ -90,13 +90,18 @@ def spec_to_json(spec: Eagle3Config) -> dict:
     return dict(format=FORMAT, kind=KIND_NAME, **dataclasses.asdict(spec))
 
 
+def _layer_from_json(d: dict | None) -> DraftLayer | None:
+    return None if d is None else DraftLayer(**{**d, "rope": RopeConfig(**d["rope"])})
+
+
 def spec_from_json(d: dict, where: str = "") -> Eagle3Config:
     if d.get("kind") != KIND_NAME:
         raise Eagle3CheckpointError(f"checkpoint {where} is not an EAGLE-3 drafter (kind {d.get('kind')!r})")
-    if d.get("format") != FORMAT:
+    if d.get("format") not in (1, FORMAT):
         raise Eagle3CheckpointError(f"EAGLE-3 checkpoint {where} has format {d.get('format')!r}, this version reads "
-                                    f"format {FORMAT}")
-    return Eagle3Config(tuple(d["layers"]), tuple(d["target"]), int(d.get("draft_vocab", 0)))
+                                    f"formats 1 and {FORMAT}")
+    return Eagle3Config(tuple(d["layers"]), tuple(d["target"]), int(d.get("draft_vocab", 0)),
+                        _layer_from_json(d.get("layer")) if d["format"] > 1 else None)
 
 
 def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Sequence[int] | None = None) -> None:
@@ -112,13 +117,13 @@ def check_spec(spec: Eagle3Config, cfg: ModelConfig, where: str = "", layers: Se
 
 def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int = 2, cache_bytes: int | None = None,
           rows: int | None = None) -> list:
-    """One draft step -> [layer, head]: the drafter's decoder layer on `rows` rows (default 1; the target's
-    attention layer, q/k/v and the gate reading [2H]), then its head on one row (V' rows)."""
-    H, r = cfg.hidden_size, 1 if rows is None else rows
-    wide = layer_schema(cfg)
-    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(cfg, ATTENTION))
+    """One draft step -> [layer, head]: the drafter's decoder layer on `rows` rows (default 1; an attention
+    layer of its layer config, q/k/v (and a gate) reading [2H]), then its head on one row (V' rows)."""
+    H, r, lcfg = cfg.hidden_size, 1 if rows is None else rows, spec.layer_config(cfg)
+    wide = layer_schema(lcfg)
+    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(lcfg, ATTENTION))
     extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
-    c = kind_cost(cfg, ATTENTION, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes, r)
+    c = kind_cost(lcfg, ATTENTION, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes, r)
     layer = dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
                                 weight_bytes=c.weight_bytes + extra * param_bytes)
     return [layer, head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)]
