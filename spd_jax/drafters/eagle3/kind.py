@@ -165,7 +165,9 @@ KIND = DrafterKind(
     shipped=lambda model_name, plan=None: shipped_eagle3(model_name), misfit=lambda spec, plan: None, cost=_cost,
     flag="--drafter", train_fix="train an EAGLE-3 drafter for {model} (python -m train.main with method: eagle3, model: {model}) "
               "or use one trained for it", training=TRAINING,
-    why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)")
+    why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)",
+    missing_hint="; a standard EAGLE-3 checkpoint (SpecForge / SGLang: config.json and safetensors) is converted to "
+                 "one first: python -m spd_jax.convert.eagle3 DIR OUT --model MODEL")
 
 
 def save_eagle3(path: str | Path, variables: dict, spec: Eagle3Config, extra: dict | None = None,
