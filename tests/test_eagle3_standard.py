@@ -456,3 +456,24 @@ def test_the_cli_and_a_raw_standard_directory_given_as_a_drafter(llama, tmp_path
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     with pytest.raises(FileNotFoundError, match="python -m spd_jax.convert.eagle3 DIR OUT --model MODEL"):
         spd_jax.generate(model, case["tokens"][:P], 4, method="eagle3", drafter_spec=str(src))
+
+
+def test_bfloat16_weights_are_written_exactly(llama, tmp_path):
+    """A bf16 checkpoint (as SpecForge saves) is written in bf16 and loads back to the same values; one mixing
+    dtypes is written in float32."""
+    import orbax.checkpoint as ocp
+
+    model = llama["model"]
+    cfg, sd = model.config, standard_tensors(model.config, np.arange(48) * 3, seed=5)
+    bf = {k: (v.bfloat16() if v.is_floating_point() else v) for k, v in sd.items()}
+    src = write_standard(tmp_path / "bf16", standard_config(cfg, 48, [0, 1, 2]), bf)
+    _, want, _, dtype = conv.read_checkpoint(src, cfg)
+    assert dtype == jnp.bfloat16
+    conv.convert(src, tmp_path / "d", model)
+    meta = ocp.StandardCheckpointer().metadata(tmp_path / "d" / "params").item_metadata
+    assert {a.dtype for a in jax.tree.leaves(meta.tree)} == {np.dtype(jnp.bfloat16), np.dtype(np.int32)}
+    got = store.load(eagle3.KIND, tmp_path / "d", cfg, model.params, jnp.float32)[1]
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    mixed = write_standard(tmp_path / "mixed", standard_config(cfg, 48, [0, 1, 2]),
+                           dict(bf, **{"norm.weight": sd["norm.weight"]}))  # float32 norm, bf16 rest
+    assert conv.read_checkpoint(mixed, cfg)[3] == jnp.float32

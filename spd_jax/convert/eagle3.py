@@ -254,7 +254,7 @@ def read_variables(tensors: dict, spec: eagle3.Eagle3Config, cfg: ModelConfig, w
 
 def read_checkpoint(src: str | Path, cfg: ModelConfig) -> tuple[eagle3.Eagle3Config, dict, dict, Any]:
     """A standard EAGLE-3 directory for the target cfg -> (spec, variables (float32 numpy), its config.json,
-    the float dtype its weights are stored in: the fused feature's, `fc.weight`)."""
+    the float dtype its weights are stored in, or float32 where they mix dtypes: writing them in it is exact)."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} has no config.json: not a standard EAGLE-3 checkpoint directory")
@@ -263,7 +263,8 @@ def read_checkpoint(src: str | Path, cfg: ModelConfig) -> tuple[eagle3.Eagle3Con
     spec = read_spec(d, cfg, where)
     tensors = read_tensors(src)
     variables = read_variables(tensors, spec, cfg, where)
-    return spec, variables, d, _FLOAT_DTYPES.get(str(tensors["fc.weight"].dtype), jnp.float32)
+    stored = {str(tensors[leaf.hf].dtype) for leaf in eagle3.weight_schema(cfg, spec).values()}
+    return spec, variables, d, _FLOAT_DTYPES.get(stored.pop(), jnp.float32) if len(stored) == 1 else jnp.float32
 
 
 # ---------------------------------------------------------------- a drafter directory
