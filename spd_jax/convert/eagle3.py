@@ -132,7 +132,10 @@ def _weight_files(src: Path) -> list[Path]:
     """The files holding the weights: an index's shards, model.safetensors, or the PyTorch .bin forms."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (src / index).is_file():
-            names = sorted(set(read_json(src / index, "copy the checkpoint again")["weight_map"].values()))
+            wmap = read_json(src / index, "copy the checkpoint again").get("weight_map")
+            if not isinstance(wmap, dict):
+                raise Eagle3FormatError(f"{src / index} has no weight_map: copy the checkpoint again")
+            names = sorted(set(wmap.values()))
             missing = [n for n in names if not (src / n).is_file()]
             if missing:
                 raise Eagle3FormatError(f"{src / index} names shard {missing[0]}, which is missing from {src}")
@@ -156,11 +159,12 @@ def _load_file(f: Path) -> dict[str, Any]:
         except (SafetensorError, OSError) as e:
             raise Eagle3FormatError(f"{f} is not a readable safetensors file ({e}): copy it again") from None
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- the unpickler raises many kinds; each means "not weights only"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise Eagle3FormatError(f"{f} does not load with torch.load(weights_only=True) ({first}): it holds more "
-                                "than tensors; re-save it as safetensors from a trusted environment") from None
+        raise Eagle3FormatError(f"{f} does not load with torch.load(weights_only=True) ({first}): it is damaged "
+                                "or holds more than tensors; re-save it as safetensors where its source is trusted"
+                                ) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         raise Eagle3FormatError(f"{f} is not a state dict of named tensors")
     return state
