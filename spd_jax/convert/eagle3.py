@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.config import ConfigError, ModelConfig, read_json
+from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.drafters import eagle3, store
 from spd_jax.drafters.shared import target_signature
@@ -294,9 +295,9 @@ def _target(model) -> tuple[ModelConfig, str, str]:
     fingerprint, its name). Only the config and the embedding are read from a directory."""
     if hasattr(model, "weights_fingerprint"):
         return model.config, model.weights_fingerprint, str(model.path)
-    from spd_jax.api import resolve_checkpoint
-
-    reader = CheckpointReader(resolve_checkpoint(model))
+    name = str(model)
+    reader = CheckpointReader(defaults.ensure_checkpoint(name) if defaults.canonical_name(name)
+                              else Path(name).expanduser())
     embed = reader.read_global("embed", (), jnp.bfloat16)  # the fingerprint is over bf16: half the bytes of f32
     return reader.cfg, store.target_weights({"embed": embed}), str(model)
 
