@@ -114,6 +114,11 @@ def read_spec(d: dict, cfg: ModelConfig, where: str) -> eagle3.Eagle3Config:
     dv = d.get("draft_vocab_size")
     if not isinstance(dv, int) or not 1 <= dv <= cfg.vocab_size:
         raise Eagle3FormatError(f"{where}: draft_vocab_size must be an int in [1, {cfg.vocab_size}], got {dv!r}")
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # SpecForge's draft attention ignores it; SGLang's Llama attention reads it at the top level
+        raise Eagle3FormatError(f"{where}: partial_rotary_factor = {partial} is ambiguous (SpecForge trains the draft "
+                                "layer with RoPE over the whole head, SGLang's Llama attention would rotate a part)")
     try:  # the draft layer's sizes, RoPE and activation, read (and refused) as any Llama config is
         lc = ModelConfig.from_hf_dict(d)
     except KeyError as e:
