@@ -6,6 +6,7 @@ training forward equals its inference, its loss decreases, and its checkpoints r
 `spd_jax.generate(method="eagle3")` commits `ar`'s tokens."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,35 @@ def test_eagle3_checkpoint_identity(tiny_ckpt, tmp_path):
         eagle3.load_eagle3(tmp_path, cfg, model.params)
     with pytest.raises(FileExistsError):
         eagle3.save_eagle3(tmp_path / "d", variables, spec)
+
+
+def test_eagle3_layer_is_standard_and_the_older_layout_still_reads(tiny_ckpt):
+    """The layer's sizes round-trip through eagle3.json; an eagle3.json of format 1 (before the field: the
+    target's own attention layer, as the shipped drafter's) reads as that layout, which for a Llama target
+    computes exactly what the standard layer does; for Qwen3.5 the standard layer has no output gate, q/k
+    norm or partial RoPE, and its norms scale by w where the target's scale by 1 + w."""
+    cfg = spd_jax.load_model(tiny_ckpt("llama", False, **_MODELS["llama"])[0]).config
+    spec = eagle3.Eagle3Config.for_target(cfg)
+    assert spec.layer == eagle3.DraftLayer.of_target(cfg)
+    assert eagle3.spec_from_json(json.loads(json.dumps(eagle3.spec_to_json(spec)))) == spec
+    older = {k: v for k, v in eagle3.spec_to_json(spec).items() if k != "layer"} | {"format": 1}
+    legacy = eagle3.spec_from_json(older)
+    assert legacy == dataclasses.replace(spec, layer=None) and legacy.layer_config(cfg) is cfg
+    model = spd_jax.load_model(tiny_ckpt("llama", False, **_MODELS["llama"])[0])
+    variables = eagle3.init_eagle3(cfg, spec, model.params, seed=3)
+    feats = jax.random.normal(jax.random.key(0), (1, 5, 3 * cfg.hidden_size))
+    emb = decoder.embed(model.params, jnp.asarray([[3, 9, 27, 81, 4]]))
+    cache = eagle3.Eagle3Drafter(cfg, spec, 3).init(None, 8, jnp.float32)[0]  # k/v [1, Nkv, S, D]
+    both = [eagle3.Eagle3(cfg, s).apply(variables, feats, emb, cache, jnp.int32(0))[0] for s in (spec, legacy)]
+    np.testing.assert_array_equal(np.asarray(both[0]), np.asarray(both[1]))
+
+    q35 = spd_jax.load_model(tiny_ckpt("qwen3_5", False, **_MODELS["qwen3_5"])[0]).config
+    std, own = eagle3.Eagle3Config.for_target(q35), dataclasses.replace(eagle3.Eagle3Config.for_target(q35), layer=None)
+    lcfg = std.layer_config(q35)
+    assert (lcfg.attn_gate, lcfg.qk_norm, lcfg.norm_offset, lcfg.rotary_dim) == (False, False, 0.0, q35.head_dim)
+    assert q35.rotary_dim < q35.head_dim and q35.norm_offset == 1.0
+    assert {"wq_gate", "q_norm", "k_norm"} & set(eagle3.layer_schema(lcfg)) == set()
+    assert {"wq_gate", "q_norm", "k_norm"} <= set(eagle3.layer_schema(own.layer_config(q35)))
 
 
 def test_an_eagle3_drafter_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_path):

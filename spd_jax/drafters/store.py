@@ -213,18 +213,22 @@ def load(kind: DrafterKind, path: str | Path, cfg: ModelConfig, target_params: d
     return spec, restore(kind, path, spec, cfg, target_params, dtype)
 
 
-def restore(kind: DrafterKind, path: Path, spec: Any, cfg: ModelConfig, target_params: dict, dtype: Any) -> dict:
-    """A saved drafter's variables, floats cast to dtype, token ids left integers. The kind's init is only
-    traced for the shapes (the target's zeros inside the trace: nothing vocabulary-sized is allocated)."""
-    shared = json.loads((path / kind.identity_file).read_text()).get("head") == "shared"
-
+def abstract_variables(kind: DrafterKind, spec: Any, cfg: ModelConfig) -> dict:
+    """The shapes and dtypes (float32, ids int32) of the variables of a drafter of spec for the target cfg. The
+    kind's init is only traced (the target's zeros inside the trace: nothing vocabulary-sized is allocated)."""
     def shapes():
         zeros = {"embed": jnp.zeros((cfg.vocab_size, cfg.hidden_size)), "final_norm": jnp.zeros((cfg.hidden_size,))}
         if not cfg.tie_word_embeddings:
             zeros["lm_head"] = zeros["embed"]
         return kind.init(cfg, spec, zeros, vocab_ids=np.arange(spec.draft_vocab))
 
-    abstract = jax.eval_shape(shapes)
+    return jax.eval_shape(shapes)
+
+
+def restore(kind: DrafterKind, path: Path, spec: Any, cfg: ModelConfig, target_params: dict, dtype: Any) -> dict:
+    """A saved drafter's variables, floats cast to dtype, token ids left integers."""
+    shared = json.loads((path / kind.identity_file).read_text()).get("head") == "shared"
+    abstract = abstract_variables(kind, spec, cfg)
     if shared:
         del abstract["params"]["lm_head"]
     variables = restore_variables(path, abstract)

@@ -101,7 +101,7 @@ def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int 
     - "target": one target pass over the k + 1 positions (embedding, every layer and the head on k + 1
       rows; weights and caches read once, FLOPs times k + 1);
     - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
-    The drafter's layer is the target's attention layer with q/k/v (and the gate) reading [2H]."""
+    The drafter's layer is the standard EAGLE-3 layer (`drafters.eagle3.DraftLayer`), q/k/v reading [2H]."""
     from spd_jax.drafters.eagle3 import Eagle3Config  # the drafter (Flax): only when counted
 
     H, rows, pb = cfg.hidden_size, k + 1, param_bytes

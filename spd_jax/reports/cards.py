@@ -107,10 +107,10 @@ KINDS = {
         meta_file=registry.EAGLE3.identity_file,
         staged=registry.EAGLE3.staged,
         title="# EAGLE-3-style drafter for {model}",
-        describe="A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3.py`), the baseline SPD is "
+        describe="A chain drafter in the manner of EAGLE-3 (`spd_jax/drafters/eagle3/`), the baseline SPD is "
                  "compared with: the target's hidden states {meta[layers]} (low, mid, high) fused by one linear "
-                 "layer, one decoder layer of the target's attention kind, its own final norm and the target's LM "
-                 "head ",
+                 "layer, one standard EAGLE-3 decoder layer (a Llama layer whose attention reads the token's embedding "
+                 "and the fused feature), its own final norm and the target's LM head ",
         vocab_draft="over a draft vocabulary of {meta[draft_vocab]} tokens",
         vocab_whole="(its whole vocabulary, {meta[target][3]} tokens)",
         decoding=" Decoding: k drafts per round, one target pass over k + 1 positions, the longest verified prefix "
