@@ -2,7 +2,9 @@
 this repository's own tree, the target's parts reassemble to its digest or are refused, and returned
 chunks join the corpus only when they hold what their records say."""
 
+import io
 import json
+import tarfile
 
 import numpy as np
 import pytest
@@ -78,4 +80,22 @@ def test_returned_chunks_join_the_corpus_only_as_recorded(tmp_path):
     records["1"]["digest"] = "0" * 16  # a chunk whose tokens are not its record's
     (out / "chunks.json").write_text(json.dumps(records))
     with pytest.raises(ValueError, match="differs from its record"):
-        accelerator.unpack(out, root=tmp_path / "there")
+        accelerator.unpack(out, root=there)
+    assert not json.loads((there / accelerator.CORPUS / "manifest.json").read_text())["chunks"]
+
+
+@pytest.mark.parametrize("name", ["../x.npz", "train/replies.py", "data/replies/other/chunk-00001.npz"])
+def test_a_returned_file_outside_the_corpus_is_refused(tmp_path, name):
+    there, here = tmp_path / "there", tmp_path / "here"
+    (here / accelerator.CORPUS).mkdir(parents=True)
+    replies.save_manifest(here / accelerator.CORPUS, dict(settings={"chunk": 32}, prompts={"count": 64}, chunks={}))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "chunks.json").write_text(json.dumps({"1": dict(replies.chunk_record(_chunk(0)))}))
+    with tarfile.open(out / "chunks.tar.000", "w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    with pytest.raises(ValueError, match="refused"):
+        accelerator.unpack(out, root=here)
+    assert sorted(p.name for p in (here / accelerator.CORPUS).iterdir()) == ["manifest.json"]

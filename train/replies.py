@@ -2,6 +2,7 @@
 
     python -m train.replies --out DIR [--sources gsm8k,sharegpt] [--samples 2] [--max-len 512]
                             [--batch 32] [--limit N] [--weights-dtype float32] [--chunks K]
+                            [--start-chunk C] [--minutes M]
     python -m train.replies --out DIR --verify I        # regenerate chunk I and compare its digest
 
 A drafter is judged on the target's own continuations, and the one lever measured to help on the CPU is
@@ -143,13 +144,29 @@ def chunk_record(arrays: dict) -> dict:
                 unique_positions=int(sum(replies.values())), digest=tokens_digest(seqs))
 
 
+def load_chunk(source) -> dict:
+    """A chunk file (a path or file object) -> its arrays, ids as int32 whatever they were stored as."""
+    with np.load(source, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["ids"] = arrays["ids"].astype(np.int32)
+    return arrays
+
+
+def check_chunk(arrays: dict, record: dict) -> bool:
+    """Whether a chunk's arrays hold what its manifest record says (counts and token digest)."""
+    got = chunk_record(arrays)
+    return {k: record.get(k) for k in got} == got
+
+
 def read_corpus(out: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every finished chunk of a replies corpus -> [(ids [T], loss_mask [T])], loss_mask[t] where t + 1 is
-    a reply token (the training corpus's form)."""
+    """Every chunk the manifest records of a replies corpus -> [(ids [T], loss_mask [T])], loss_mask[t]
+    where t + 1 is a reply token (the training corpus's form). A chunk file without a record (a run killed
+    between the two writes) is not read: the next run writes it again."""
+    out = Path(out)
     seqs = []
-    for path in sorted(Path(out).glob("chunk-*.npz")):
-        with np.load(path, allow_pickle=False) as z:
-            ids, off, plen = z["ids"].astype(np.int32), z["offsets"], z["prompt_len"]
+    for c in sorted(map(int, json.loads((out / "manifest.json").read_text())["chunks"])):
+        arrays = load_chunk(out / f"chunk-{c:05d}.npz")
+        ids, off, plen = arrays["ids"], arrays["offsets"], arrays["prompt_len"]
         for a, b, n in zip(off[:-1], off[1:], plen):
             mask = np.zeros(b - a, bool)
             mask[n - 1:b - a - 1] = True
