@@ -323,10 +323,10 @@ def card(spec: eagle3.Eagle3Config, cfg: ModelConfig, d: dict, src: Path, model:
         f"{lay.rms_norm_eps:g}",
         f"- head: its own, over {vocab}; the token embedding is the target's",
         f"- weights: {jnp.dtype(dtype).name}, as stored in the source", "",
-        f"Run: `python -m infer.generate --model MODEL --mode eagle3 --k 3 --drafter DIR`. Evaluate: "
-        "`python -m infer.evaluate --methods ar,eagle3 --k 3 --drafter DIR`. How the conversion reads each weight "
-        "and what was tested: docs/eagle3-standard.md. No acceptance figure of this drafter has been measured "
-        "here.", ""])
+        "Run: `python -m infer.generate --model MODEL --mode eagle3 --k 3 --drafter DIR`. Evaluate: "
+        "`python -m infer.evaluate --model MODEL --methods ar,eagle3 --k 3 --drafter DIR`. How the conversion "
+        "reads each weight and what was tested: docs/eagle3-standard.md. No acceptance figure of this drafter "
+        "has been measured here.", ""])
 
 
 def convert(src: str | Path, out: str | Path, model) -> Path:

@@ -13,6 +13,7 @@ writes no file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 from spd_jax.config import ModelConfig
@@ -61,6 +62,7 @@ def latency_classes(hw: Hardware) -> tuple[str, ...]:
     return ("nccl", "one-shot") if hw.has_one_shot else ("nccl",)
 
 
+@functools.lru_cache(maxsize=1)  # the page and the README test both read it: thousands of cycles
 def factorisation_rows() -> list[dict]:
     """For each machine, model, S0 and latency class: the best spd factorisation and the best pure tp
     (`factorisations.best_factorisations`)."""
@@ -295,11 +297,13 @@ def factorisation_section() -> list[str]:
              "alpha tokens a cycle. So at the reference's S0 3.39 it wins on every GPU machine, by most where `tp` "
              "pays most for its all-reduces: across two nodes (`tp` cannot use the second node without the network "
              "on every layer; SPD puts only its stage hand-offs there) and under NCCL's latencies; and on H200, "
-             "whose faster memory leaves `tp` more of its fixed costs. Over PCIe its margin is smaller than over "
-             "NVLink: the L40S reads weights 4x slower than an H100, so `tp`'s division of the reads is worth more, "
-             "and SPD's own collectives pay PCIe's latency too. At the shipped PSM's S0 1.56 it is about even: it "
-             "wins across InfiniBand nodes and, for the 4B model, against NCCL's latencies on one node; it loses "
-             "against one-shot all-reduces and on Qwen3.5-9B (more weight for `tp` to divide). On TPU v5e it loses "
+             "whose faster memory leaves `tp` more of its fixed costs. Over PCIe, under NCCL's latencies, its margin "
+             "is smaller than over NVLink: the L40S reads weights 4x slower than an H100, so `tp`'s division of the "
+             "reads is worth more, and SPD's own collectives pay PCIe's latency too (under one-shot latencies it is "
+             "larger: the one-shot kernel stops at 2 PCIe GPUs). At the shipped PSM's S0 1.56 it is about even, "
+             "row by row as the verdicts above say: it wins mostly across InfiniBand nodes and for the 4B model "
+             "under NCCL's latencies over NVLink, and loses mostly on Qwen3.5-9B (more weight for `tp` to divide) "
+             "and, on one node, against one-shot all-reduces. On TPU v5e it loses "
              "at both S0: an assumed 20 us a layer and cheap ICI collectives let `tp` reach 3.8-4.9x. The winning "
              "splits are mostly 2D (narrow `tp` inside 3 stages and a PSM row, or 7 stages and a PSM row), rarely "
              "pipeline.", "",
