@@ -86,6 +86,31 @@ class DraftHead:
         return full.at[..., self.vocab_ids.value].set(logits)
 
 
+def module_params(params: dict, cfg: ModelConfig, draft_vocab: int) -> dict:
+    """A drafter's variables as its module declares them, for a call inside the SPD engine's program: a head
+    the engine placed split by vocabulary rows (this device's rows) is swapped for a stand-in of the declared
+    shape [V', H], a broadcast no part of the body reads, so XLA never builds it; the head itself is applied
+    as placed (`sharded_head`)."""
+    head = params["params"]["lm_head"]
+    whole = (draft_vocab or cfg.vocab_size, cfg.hidden_size)
+    if head.shape == whole:
+        return params
+    stand_in = jnp.broadcast_to(jnp.zeros((), head.dtype), whole)
+    return {**params, "params": {**params["params"], "lm_head": stand_in}}
+
+
+def sharded_head(params: dict, h: jax.Array, final_norm: jax.Array, cfg: ModelConfig):
+    """A drafter's head as the SPD engine places it -> head(start, rows): float32 logits [rows] of the head's
+    rows [start, start + rows) for the hidden state h [H] (the target's final norm, then the head's rows, all
+    of them or this device's when split by rows): one device's shard (`drafters.base.Head`)."""
+    head_rows = params["params"]["lm_head"]
+
+    def head(start, rows):
+        return decoder.head_logits(h, final_norm, head_rows, cfg, start, rows)
+
+    return head
+
+
 # init_boxed(cfg, spec, seed) -> a drafter module's variables with their logical axes (Flax boxes)
 InitBoxed = Callable[[ModelConfig, object, object], dict]
 

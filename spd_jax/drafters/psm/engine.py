@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
 from spd_jax.drafters.psm.model import PSM, PSMConfig
-from spd_jax.models import decoder
+from spd_jax.drafters.shared import module_params, sharded_head
 from spd_jax.models.attention import init_kv_cache
 
 
@@ -41,15 +41,7 @@ class PSMDrafter:
         return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
 
     def _module_params(self, params: dict) -> dict:
-        """params as the module declares them: a head the engine placed split by vocabulary rows (this device's
-        rows, inside the engine's program) is swapped for a stand-in of the declared shape, a broadcast no
-        part of the body reads, so XLA never builds it; the head itself is applied as placed (`spd_draft`)."""
-        head = params["params"]["lm_head"]
-        whole = (self.spec.draft_vocab or self.cfg.vocab_size, self.cfg.hidden_size)
-        if head.shape == whole:
-            return params
-        stand_in = jnp.broadcast_to(jnp.zeros((), head.dtype), whole)
-        return {**params, "params": {**params["params"], "lm_head": stand_in}}
+        return module_params(params, self.cfg, self.spec.draft_vocab)
 
     def spd_prefill(self, params, state, anchor_states, ops):
         params = self._module_params(params)
@@ -74,10 +66,5 @@ class PSMDrafter:
                                                   cache), state)
 
     def spd_head(self, params, h, cycle, ops):
-        head_rows = params["params"]["lm_head"]  # as placed: all its rows, or this device's (split by rows)
-
-        def head(start, rows):  # `PSM.head_logits` on the head as placed (its rows [start, start + rows))
-            return decoder.head_logits(h, ops.final_norm, head_rows, self.cfg, start, rows)
-
         ids = self.module.apply(self._module_params(params), method=PSM.token_ids) if self.spec.draft_vocab else None
-        return head, ids
+        return sharded_head(params, h, ops.final_norm, self.cfg), ids

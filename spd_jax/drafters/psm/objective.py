@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spd_jax.drafters.base import join_params
-from spd_jax.drafters.objective import distill_kl, top1_ce
+from spd_jax.drafters.objective import distill_queries
 from spd_jax.drafters.psm.fills import deal_fills, teacher_states
 from spd_jax.drafters.psm.model import PSM, PSMConfig
-from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
 
 
@@ -75,32 +74,9 @@ def psm_loss(trainable, frozen, target, batch, keys, *, cfg, spec: PSMConfig, ta
     student = psm.apply(variables, jnp.concatenate(ys, axis=1), target["final_norm"],
                         method=PSM.head_logits)  # [B, Q, V']
     x_q = jax.lax.stop_gradient(jnp.take_along_axis(x, at[..., None], axis=1))  # [B, Q, H]
-    drafted = jnp.argmax(student, -1)
-    if spec.draft_vocab and "teacher_argmax" in batch:
-        # the teacher over the draft vocabulary's rows of the target's head only (V' of V rows: the head is
-        # most of a step), its greedy token over the whole vocabulary read from the teacher cache
-        ids = variables["vocab"]["ids"]
-        teacher_v = decoder.head_logits(x_q, target["final_norm"], decoder.lm_head(target, cfg)[ids], cfg)
-        top = jnp.take_along_axis(batch["teacher_argmax"], order, axis=1)
-        drafted = ids[drafted]
-    else:
-        teacher = decoder.lm_logits(target, x_q, cfg)  # [B, Q, V]
-        top = jnp.argmax(teacher, -1)
-        if spec.draft_vocab:  # the teacher restricted to the draft vocabulary (renormalised by the softmax)
-            ids = variables["vocab"]["ids"]
-            teacher_v, drafted = teacher[..., ids], ids[drafted]
-        else:
-            teacher_v = teacher
-    kl = distill_kl(student, teacher_v, tau)
-    # against the unrestricted teacher: what greedy verification would accept
-    agree = (top == drafted).astype(jnp.float32)
-    kl_sum = (kl * w).sum()
-    loss = kl_sum
-    if hard_weight:
-        # only where the teacher's token is in the draft vocabulary: elsewhere no draft is accepted, and
-        # the restricted argmax would teach a token verification rejects
-        hit = w if not spec.draft_vocab else w * (ids[jnp.argmax(teacher_v, -1)] == top)
-        loss = kl_sum + hard_weight * (top1_ce(student, teacher_v) * hit).sum()
+    top = jnp.take_along_axis(batch["teacher_argmax"], order, axis=1) if "teacher_argmax" in batch else None
+    ids = variables["vocab"]["ids"] if spec.draft_vocab else None
+    loss, kl_sum, agree = distill_queries(student, x_q, w, target, cfg, ids, top, tau, hard_weight)
     # by fill k (1 .. n: the draft's distance from the newest completed token): the slots' fills are static
     by_fill = jnp.asarray(np.concatenate([f for _, f, _ in blocks])[:, None] == np.arange(1, spec.n + 1), jnp.float32)
     return loss, dict(kl_sum=kl_sum, agree_sum=(agree * w).sum(), positions=w.sum(),
