@@ -107,6 +107,10 @@ class EngineConfig:
         if self.drafter.anchors and self.drafter.anchors != self.layout.anchors:
             raise ValueError(f"the drafter reads anchors {self.drafter.anchors}, the stage layout gathers "
                              f"{self.layout.anchors}")
+        after = self.drafter.after_stage
+        if after is not None and self.psm_dev != after:
+            raise ValueError(f"{type(self.drafter).__name__} drafts after stage {after}'s step, on that stage's "
+                             f"device; psm_device is {self.psm_dev}")
         if not 0 <= self.psm_dev <= self.n or (self.psm_dev == self.n) != (self.layout.devices == self.n + 1):
             raise ValueError(f"psm_device {self.psm_device} with {self.layout.devices} devices for {self.n} stages: "
                              f"a stage 0..{self.n - 1}, or {self.n} (its own device) with a layout of n + 1 devices")
@@ -315,7 +319,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
         can_draft = (t + 1 < budget_end) & drafts
         dstate, qring = loc.dstate, loc.qring
         cyc = SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table, embeds=st.embeds)
-        if drafts:
+        early = drafts and drafter.after_stage is None
+        if early:
             x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc, ops)  # [H], the drafter's device's
 
         # 2. every stage advances its token
@@ -327,6 +332,8 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
             lambda a: stage_forward(w, a[1], pr, a[0], pos_s, cfg, lay),
             lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, 1, H), a[0].dtype), STAGE)),
             (x_in, loc.cache))
+        if drafts and not early:  # a drafter reading what its stage made this cycle (PPSD's early exit): after it
+            x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc._replace(made=anc[:, 0, 0]), ops)
 
         # 3. the cycle's one broadcast of [H] values: every device's packet to every device (one all-gather):
         # its output (the last stage's is the token verified), the anchor states it made (each anchor has

@@ -70,6 +70,9 @@ class SpdCycle(NamedTuple):
     cached: jax.Array  # positions < cached are in the drafter's state (its cache) already
     table: jax.Array  # [W, m, H] the anchor states of positions t - W + 1 .. t (a ring: position % W)
     embeds: jax.Array  # [W, H] the embeddings (h_0) of the tokens at positions t - W + 1 .. t, the same ring
+    # [m, H] the anchor states this device's stage made this cycle (zeros for the others): given to a drafter
+    # that drafts after a stage's step (`SpdDrafter.after_stage`), on that stage's device; None otherwise
+    made: jax.Array | None = None
 
 
 class SpdOps(NamedTuple):
@@ -91,6 +94,10 @@ class SpdDrafter(Protocol):
     k: int  # drafts per cycle: 1, or 0 for none (the engine then runs the plain pipeline)
     anchors: tuple[int, ...]  # hidden-state indices it reads from the tokens in flight (() for none)
     plan: tuple[int, ...] | None  # the stage plan it was made for (its depth staircase), or None: any
+    # None: it drafts from the states at the start of the cycle, concurrently with the stages' step (the PSM's
+    # early start); s: after stage s's step, on stage s's device, from what that stage just made (`SpdCycle.made`:
+    # PPSD's early exit reads the newest token's state after stage 0), so the draft waits for that stage
+    after_stage: int | None
 
     def init(self, params: Any, cache_len: int, dtype) -> Any:
         """-> a fresh per-sequence state for positions [0, cache_len) (one copy per device)."""
@@ -102,7 +109,8 @@ class SpdDrafter(Protocol):
     def spd_draft(self, params: Any, state: Any, cycle: SpdCycle, ops: SpdOps) -> tuple[jax.Array, Any]:
         """The drafter's network for the draft of position cycle.t + 1, run on its device (`ops.on_device`)
         -> (x [H]: its hidden state there, any value elsewhere; state). The engine sends the drafter's
-        device's x to every device in the cycle's one exchange of [H] values, then asks `spd_head`."""
+        device's x to every device in the cycle's one exchange of [H] values, then asks `spd_head`. Asked at
+        the start of the cycle, or after stage `after_stage`'s step with `cycle.made` set."""
 
     def spd_head(self, params: Any, h: jax.Array, cycle: SpdCycle, ops: SpdOps) -> tuple[Head, jax.Array | None]:
         """h [H]: `spd_draft`'s x from the drafter's device, on every device -> (head, token_ids): the
@@ -175,6 +183,10 @@ class _Stateless:
 
     @property
     def plan(self) -> None:
+        return None
+
+    @property
+    def after_stage(self) -> None:
         return None
 
     def spd_prefill(self, params, state, anchor_states, ops):

@@ -34,6 +34,10 @@ class PSMDrafter:
         return self.spec.plan
 
     @property
+    def after_stage(self) -> None:  # it drafts from the states at the start of the cycle (early start)
+        return None
+
+    @property
     def module(self) -> PSM:
         return PSM(self.cfg, self.spec)
 
