@@ -89,9 +89,15 @@ class DrafterKind:
     training: Training  # what train/ asks of it
     missing_hint: str = ""  # appended when a directory has no identity file
     why_random: str = "an untrained one was asked for"  # a random one on request, in the notice
-    # drafts inside the pipeline for one stage plan (the PSM): trained at a depth n from the target's
+    # drafts inside the pipeline for one stage plan (the PSM, PPSD): trained at a depth n from the target's
     # anchor states (a hard-label loss term, a teacher cache), run by the SPD engine on n stage devices
     staged: bool = False
+    random_flag: str = ""  # how a CLI asks for an untrained one, where none ships ("--random-psm")
+    # a staged kind: (cfg, config, variables, target_params, tokens [B, T], at [B, R]) -> (the target's greedy
+    # token after each position at [B, R], the drafter's greedy drafts [B, R, n] for position at + 1 made with
+    # at the newest token and k = 1..n tokens in flight), teacher-forced: what `decode.schedule` replays into
+    # the engine's greedy counts (`infer.replay`)
+    teacher_drafts: Callable[..., tuple] | None = None
 
     def __post_init__(self):
         if self.identity_file not in IDENTITY_FILES:

@@ -1,4 +1,4 @@
-"""The drafters with a network, by name (`KINDS`: the PSM and EAGLE-3), and how a call's `DrafterRef`
+"""The drafters with a network, by name (`KINDS`: the PSM, EAGLE-3 and PPSD), and how a call's `DrafterRef`
 becomes weights to run (`source`, `resolve`), the same way for every kind. Adding a drafter: its own
 module defines a `DrafterKind` (with its `Training`, what train/ asks of it); list it here."""
 
@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.convert.defaults import canonical_name
-from spd_jax.drafters import eagle3, psm, store
+from spd_jax.drafters import eagle3, ppsd, psm, store
 from spd_jax.drafters.kind import DrafterKind, DrafterRef, Form
 
 log = logging.getLogger(__name__)
 
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (psm.KIND, eagle3.KIND)}
-PSM, EAGLE3 = psm.KIND, eagle3.KIND
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (psm.KIND, eagle3.KIND, ppsd.KIND)}
+PSM, EAGLE3, PPSD = psm.KIND, eagle3.KIND, ppsd.KIND
 
 _random_noted: set[str] = set()  # kinds whose random-drafter notice this process has given
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
+from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
 from spd_jax.drafters.shared import check_target, logical_axes, random_variables
@@ -200,7 +201,8 @@ KIND = DrafterKind(
     random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
-    training=TRAINING, missing_hint="; train one with train.main", staged=True,
+    training=TRAINING, missing_hint="; train one with train.main", staged=True, random_flag="--random-psm",
+    teacher_drafts=drafts_by_fill,
     why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
 
 
