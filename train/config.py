@@ -59,10 +59,12 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str = "psm"  # "psm" or "eagle3" (the chain baseline); n .. own_head are the PSM's
-    n: int = 8  # pipeline depth the PSM is trained for
+    method: str = "psm"  # "psm", "ppsd" (an early-exit head) or "eagle3" (the chain baseline); psm_layers .. own_head:
+    # the PSM's
+    n: int = 8  # pipeline depth the PSM (or PPSD head) is trained for
     stages: tuple[int, ...] | None = None  # per-stage layer counts; default: what infer.generate plans
     psm_layers: int = 2
+    ppsd_layers: int = 1  # ppsd: decoder layers of the early-exit head (the SPD reference's PPSD "layers=1")
     anchors: tuple[int, ...] | None = None  # default: depth-aware [0, l, 3l, 6l, L-1] or quarters
     layers_from_target: bool = True  # start the PSM layers as copies of the target's last ones
     # RMS-normalise each anchor state (a learned gain per anchor) before the PSM's projections: the
@@ -318,8 +320,8 @@ class TrainConfig:
                 raise ConfigError(f"prompt_pattern {da.prompt_pattern!r} is not a regular expression: {e}") from None
         if m.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {m.compute_dtype!r}")
-        counts = ("psm_layers", "max_len", "batch_size", "grad_accum", "steps", "eval_every", "save_every",
-                  "keep", "log_every", "distill_batch")
+        counts = ("psm_layers", "ppsd_layers", "max_len", "batch_size", "grad_accum", "steps", "eval_every",
+                  "save_every", "keep", "log_every", "distill_batch")
         bad = [f"{k}={getattr(self, k)}" for k in counts if getattr(self, k) < 1]
         bad += [f"{k}={getattr(self, k)}" for k in ("warmup", "heldout", "eval_prompts", "eval_tokens", "draft_vocab",
                                                     "hard_weight", "weight_decay")
