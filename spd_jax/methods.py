@@ -1,4 +1,4 @@
-"""Decoding methods as objects: `ar`, `tp`, `pipeline`, `spd` and `eagle3`, each a small class with typed
+"""Decoding methods as objects: `ar`, `tp`, `pipeline`, `spd`, `ppsd` and `eagle3`, each a small class with typed
 options and its own compile cache, looked up by name in `METHODS` (as gemma's sampler and MaxText's
 engine interface keep decoding apart from the network). A method runs a checked `Request` on a loaded
 model and returns (token ids, stats); `api.generate` validates the request, picks the method and runs
@@ -22,7 +22,7 @@ import numpy as np
 from spd_jax.decode import ar
 from spd_jax.decode.chain import generate_chain
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
-from spd_jax.decode.pipelined import generate_pipelined, psm_source, plan_for
+from spd_jax.decode.pipelined import generate_pipelined, plan_for
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.drafters import registry
 from spd_jax.drafters.eagle3 import Eagle3Drafter, drafter_params
@@ -90,6 +90,11 @@ class Method:
 
     def drafter_source(self, model, opts) -> registry.Source | None:
         """Which drafter checkpoint a run with opts would use, without loading it (None: no network drafter)."""
+        return None
+
+    def drafter_ref(self, opts) -> Any:
+        """The drafter a run with opts names, as given (a `DrafterRef` or its older forms; None: the shipped one,
+        or no network drafter)."""
         return None
 
     def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
@@ -273,11 +278,16 @@ class Pipeline(Method):
     def drafter_source(self, model, opts):
         if self.drafter_kind is None:
             return None
-        return psm_source(model, plan_for(model, opts.n, opts.stage_layers), opts.spec)
+        return registry.source(self.drafter_kind, model, self.drafter_ref(opts), plan_for(model, opts.n,
+                                                                                          opts.stage_layers))
+
+    def drafter_ref(self, opts):
+        return opts.spec
 
     def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
         return generate_pipelined(model, req.prompt, int(req.max_new_tokens), req.sp, method=self.name, n=opts.n,
-                                  stage_layers=opts.stage_layers, spec=opts.spec, psm_layers=opts.psm_layers,
+                                  stage_layers=opts.stage_layers, spec=self.drafter_ref(opts),
+                                  psm_layers=opts.psm_layers,
                                   drafter=opts.drafter or self.default_drafter, oracle_tokens=opts.oracle_tokens,
                                   stop_at_eos=req.stop_at_eos, psm_placement=opts.psm_placement,
                                   compiled=self.compiled)
@@ -298,6 +308,33 @@ class SPD(Pipeline):
     drafter_kind = registry.PSM
     label_key = "psm"
     random_drafter_on_request = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PPSDOptions(PipelineOptions):
+    drafter_spec: Any = None  # the early-exit head: a `DrafterRef` or its older forms (a path, None: shipped, "random")
+
+
+class PPSD(Pipeline):
+    """Pipeline-parallel self-speculative decoding (PPSD, `drafters.ppsd`): the pipeline with an early-exit head
+    drafting one token per cycle after stage 0's step, from the newest token's state there."""
+
+    name = "ppsd"
+    Options = PPSDOptions
+    default_drafter = "ppsd"
+    drafter_kind = registry.PPSD
+    label_key = "ppsd"
+    random_drafter_on_request = True
+
+    def devices(self, opts) -> int:
+        return opts.n  # the head runs on stage 0's device
+
+    def drafter_ref(self, opts):
+        return opts.drafter_spec
+
+    def summary(self, stats: dict) -> str:
+        return (f"n={stats['n']} stages {stats['stage_layers']}, alpha {stats['alpha']:.3f}, S0 {stats['S0']:.2f}, "
+                f"accepted {stats['accepted']}, rejected {stats['rejected']}, PPSD head {stats['ppsd']}")
 
 
 # ---------------------------------------------------------------- eagle3
@@ -327,6 +364,9 @@ class Eagle3(Method):
     def drafter_source(self, model, opts):
         return registry.source(self.drafter_kind, model, opts.drafter_spec)
 
+    def drafter_ref(self, opts):
+        return opts.drafter_spec
+
     def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
         model._require_layers(f"method={self.name!r}")
         spec, variables, label = registry.resolve(self.drafter_kind, model, opts.drafter_spec, method=self.name)
@@ -347,7 +387,7 @@ class Eagle3(Method):
                 f"{stats['accepted']}, rejected {stats['rejected']}, drafter {stats['drafter_spec']}")
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (AR(), TP(), Pipeline(), SPD(), Eagle3())}
+METHODS: dict[str, Method] = {m.name: m for m in (AR(), TP(), Pipeline(), SPD(), PPSD(), Eagle3())}
 
 
 def get(name: str) -> Method:

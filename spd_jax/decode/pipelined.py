@@ -21,6 +21,7 @@ from spd_jax.distributed import to_host
 from spd_jax.drafters import registry
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
 from spd_jax.drafters.kind import Form
+from spd_jax.drafters.ppsd import PPSDDrafter
 from spd_jax.drafters.psm import PSMConfig, PSMDrafter
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
@@ -64,6 +65,19 @@ def resolve_psm(model, plan: StagePlan, spec, psm_layers: int) -> registry.Resol
 PSM_PLACEMENTS = ("auto", "last", "own")  # or a stage index
 
 
+def drafter_device(model, plan: StagePlan, draft: "EngineDraft", placement) -> int:
+    """Where the drafter's network runs: a drafter that drafts after a stage's step on that stage's device
+    (placement "auto" or that stage, else refused); a PSM where `placement` says (`psm_device_for`); none
+    on the last stage (unused)."""
+    after = draft.drafter.after_stage
+    if after is not None:
+        if placement not in ("auto", after):
+            raise ValueError(f"{type(draft.drafter).__name__} drafts after stage {after}'s step, on its device: "
+                             f"placement {placement!r} does not apply (leave it \"auto\")")
+        return after
+    return psm_device_for(model, plan, draft.spec, placement) if draft.spec is not None else plan.n - 1
+
+
 def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int:
     """Where the PSM body runs -> a stage 0..n-1, or n (a device of its own: n + 1 devices).
     placement: "auto" (the stage the cost model predicts makes the shortest cycle, busiest device +
@@ -83,12 +97,13 @@ def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int
     raise ValueError(f"psm placement {placement!r}: one of {', '.join(PSM_PLACEMENTS)}, or a stage index 0..{n - 1}")
 
 
-def place_psm(variables: dict, psm_cfg: PSMConfig, shared_on_mesh: dict, cfg, rep) -> dict:
-    """A loaded or random PSM's variables replicated on the stage mesh. Without a draft vocabulary its
-    frozen head is the target's [V, H] (`psm.target_head`): it reuses the target head already placed
-    with the shared weights instead of a second copy per device (on an 8-stage CPU mesh of SmolLM2 in
-    float32, 8 x 113 MB). A PSM with its own head (`own_head`) keeps it."""
-    if psm_cfg.draft_vocab or psm_cfg.own_head:
+def place_psm(variables: dict, psm_cfg, shared_on_mesh: dict, cfg, rep) -> dict:
+    """A loaded or random drafter's variables (a PSM's, a PPSD head's: psm_cfg its kind's config) replicated on
+    the stage mesh. Without a draft vocabulary its frozen head is the target's [V, H] (`shared.target_head`):
+    it reuses the target head already placed with the shared weights instead of a second copy per device (on
+    an 8-stage CPU mesh of SmolLM2 in float32, 8 x 113 MB). A drafter with its own head (a PSM's `own_head`)
+    keeps it."""
+    if psm_cfg.draft_vocab or registry.of_config(psm_cfg).training.trains_head(psm_cfg):
         return put(variables, rep)
     params = {k: v for k, v in variables["params"].items() if k != "lm_head"}
     placed = put({**variables, "params": params}, rep)
@@ -98,28 +113,33 @@ def place_psm(variables: dict, psm_cfg: PSMConfig, shared_on_mesh: dict, cfg, re
 
 class EngineDraft(NamedTuple):
     """The SPD engine's drafter for one call: the `SpdDrafter`, how its params go on the stage mesh
-    (place(prompt length, cache_len, stage layout, shared weights placed, replicated sharding)), and the
-    PSM's config and label (stats' "psm") when it is one."""
+    (place(prompt length, cache_len, stage layout, shared weights placed, replicated sharding)), and, for a
+    drafter with a network, its kind's config and label (in stats under label_key: "psm", "ppsd")."""
 
     drafter: Any
     place: Callable[..., Any]
-    spec: PSMConfig | None = None
+    spec: Any = None
     label: str | None = None
+    label_key: str = "psm"
 
 
-def _psm_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
-    psm_cfg, variables, label = resolve_psm(model, plan, spec, psm_layers)
+def _network_draft(kind, make, method: str):
+    """The EngineDraft maker of a drafter kind with a network: make(cfg, config) -> its `SpdDrafter`."""
+    def draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+        d_cfg, variables, label = registry.resolve(kind, model, spec, plan, psm_layers, method=method)
 
-    def place(prompt_len, cache_len, layout, shared, rep):
-        if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
-            return put(variables, rep)
-        key = ("psm_on_mesh", label, psm_cfg, layout)  # replicated once per (PSM, stage placement), not per call
-        if key not in model.runtime:
-            model.runtime[key] = place_psm(variables, psm_cfg, shared, model.config, rep)
-            registry.keep_placed(model, variables, model.runtime[key])
-        return model.runtime[key]
+        def place(prompt_len, cache_len, layout, shared, rep):
+            if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
+                return put(variables, rep)
+            key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
+            if key not in model.runtime:
+                model.runtime[key] = place_psm(variables, d_cfg, shared, model.config, rep)
+                registry.keep_placed(model, variables, model.runtime[key])
+            return model.runtime[key]
 
-    return EngineDraft(PSMDrafter(model.config, psm_cfg), place, psm_cfg, label)
+        return EngineDraft(make(model.config, d_cfg), place, d_cfg, label, kind.name)
+
+    return draft
 
 
 def _oracle_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
@@ -142,8 +162,10 @@ def _no_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> E
     return EngineDraft(NoDrafter(model.config.vocab_size), place)
 
 
-# generate(drafter=...): the PSM, the plain pipeline, the test oracle
-DRAFTERS: dict[str, Callable[..., EngineDraft]] = {"psm": _psm_draft, "none": _no_draft, "oracle": _oracle_draft}
+# generate(drafter=...): the PSM, PPSD's early-exit head, the plain pipeline, the test oracle
+DRAFTERS: dict[str, Callable[..., EngineDraft]] = {
+    "psm": _network_draft(registry.PSM, PSMDrafter, "spd"), "ppsd": _network_draft(registry.PPSD, PPSDDrafter, "ppsd"),
+    "none": _no_draft, "oracle": _oracle_draft}
 
 
 def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
@@ -214,7 +236,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     plan = plan_for(model, n, stage_layers)
     check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
     draft = DRAFTERS[drafter](model, plan, spec, psm_layers, oracle_tokens)
-    psm_device = psm_device_for(model, plan, draft.spec, psm_placement) if draft.spec else plan.n - 1
+    psm_device = drafter_device(model, plan, draft, psm_placement)
     # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
     layout = stages.StageLayout.of(cfg, plan, draft.drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
     mesh = stage_mesh(layout.devices)
@@ -255,14 +277,15 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     N, K = len(tokens), int(cycles)
     alpha = N / K if K else float("nan")
     stats = dict(
-        method=method, drafter=drafter, psm=draft.label, n=plan.n, stage_layers=list(plan.counts),
+        method=method, drafter=drafter, **({"psm": None} | {draft.label_key: draft.label}), n=plan.n,
+        stage_layers=list(plan.counts),
         tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
         S0=alpha * cfg.num_layers / plan.max_layers,
         accepted=int(accepted), rejected=int(rejected),
         wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
         backend=jax.default_backend(), devices=layout.devices, processes=jax.process_count(),
-        psm_device=psm_device if draft.spec else None,
+        psm_device=psm_device if draft.spec is not None else None,
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
                          "inter-stage transfers and all-reduces, the device-to-host copy of the result"
                          + (f" (over {jax.process_count()} processes: the transfers and all-reduces cross them, "
