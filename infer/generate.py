@@ -77,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a known default (smollm2-135m-instruct) or an HF checkpoint directory")
     ap.add_argument("--mode", choices=list(METHODS), default="spd",
-                    help="spd: speculative pipeline decoding; pipeline: the same n stages, one token in flight; "
-                         "tp: autoregressive, tensor-parallel over n devices; ar: plain autoregressive on one device; "
-                         "eagle3: chain speculative decoding on one device with the EAGLE-3-style drafter")
+                    help="spd: speculative pipeline decoding; ppsd: the same pipeline drafting from an early exit "
+                         "(PPSD); pipeline: the same n stages, one token in flight; tp: autoregressive, "
+                         "tensor-parallel over n devices; ar: plain autoregressive on one device; eagle3: chain "
+                         "speculative decoding on one device with the EAGLE-3-style drafter")
     ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
                                                      "width (tp)")
     ap.add_argument("--stages", type=csv_of(int, "--stages", "4,4,3,4"), default=None,
@@ -96,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "cycle), last, a stage index, or own (a device of its own: n + 1 devices)")
     ap.add_argument("--k", type=int, default=3, help="eagle3: drafts per verification round (chain length)")
     ap.add_argument("--drafter", default=None,
-                    help="eagle3: an EAGLE-3 drafter checkpoint directory (train.main method=eagle3), or 'random' "
-                         "(default: the drafter shipped for the default model, else a random one)")
+                    help="eagle3 and ppsd: the method's drafter checkpoint directory (train.main method=eagle3 or "
+                         "method=ppsd), or 'random' (default: the one shipped for the default model (and n); else "
+                         "eagle3 runs a random one, ppsd only when asked for)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     src.add_argument("--prompt-file", help="one prompt per line, or .jsonl/.jsonl.gz with a prompt field")
@@ -172,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs = [(None, args.prompt_ids)]
         else:
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
-        if method.random_drafter_on_request and spec is None:  # a random drafter only when asked for one
+        if method.random_drafter_on_request and method.drafter_ref(opts) is None:  # random only when asked for
             found, why = method.drafter_source(model, opts)
             if found is None:
-                raise ValueError(f"no trained PSM to run: {why}; pass --spec DIR (a PSM train.main exported for this "
-                                 "model, n and stage plan) or --random-psm (output still exact, few drafts accepted)")
+                k = method.drafter_kind
+                raise ValueError(f"no trained {k.label} to run: {why}; pass {k.flag} DIR ({k.a_label} train.main "
+                                 f"exported for this model, n and stage plan) or {k.random_flag} (output still exact, "
+                                 "few drafts accepted)")
         for text, ids in jobs:
             stream = None if args.json or not method.streams or cluster else _TextStream(model)
             if leader and not args.json:

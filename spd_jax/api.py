@@ -221,13 +221,17 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     fit in it. stream: called with each token id as it commits (a host callback from inside the
     on-device loop; "ar" and "tp").
     method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
-    (n stages, one token in flight) or "spd" (speculative pipeline decoding). For the pipelined
+    (n stages, one token in flight), "spd" (speculative pipeline decoding) or "ppsd" (the same engine with an
+    early-exit drafter). For the pipelined
     methods: n stages (one device each), stage_layers (explicit per-stage layer counts), spec (the PSM:
     a `drafters.kind.DrafterRef`, or a checkpoint directory; None: the PSM shipped for a default model
     at this n, else a random one; "random": an untrained PSM; (PSMConfig, variables)), psm_layers (Ls of
     a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests; EAGLE-3
     is method="eagle3", not a drafter), psm_placement (where the PSM body runs: "auto", the stage the
     cost model finds fastest; "last"; a stage index; or "own", a device of its own, n + 1 devices in all).
+    "ppsd": the pipelined engine with PPSD's early-exit head (`drafters.ppsd`) drafting after stage 0's step;
+    drafter_spec: the head, in the forms spec takes (None: the one shipped for a default model at this n and
+    stage plan, else a random one; "random").
     "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
     k drafts per round, one target pass over k + 1 positions; drafter_spec: the drafter, in the forms
     spec takes (None: the one shipped for a default model, else a random one).
