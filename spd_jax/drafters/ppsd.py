@@ -20,7 +20,7 @@ What the sources leave open, chosen here (docs/engine.md, "PPSD"):
 - the head reads h_e only, not the token's embedding again (the early-exit state already carries it);
 - trained by self-distillation: KL(target || head) on the frozen target's own logits at every response
   position (`ppsd_loss`), on the PSM's data and recipe machinery; its layers may start as copies of the
-  target's last full-attention layers (`layers_from_target`, as the PSM's), the head is the target's.
+  target's full-attention layers that follow the exit (`layers_from_target`), the head is the target's.
 
 A token's h_e depends only on the tokens up to it, and every position's row is written when its token
 passes stage 0, so the head's cache is exact after a rollback without any rewind: the replacement and
@@ -213,16 +213,18 @@ def init_ppsd(cfg: ModelConfig, spec: PPSDConfig, target_params: dict, seed: int
               layers_from_target: bool = False, vocab_ids=None) -> dict:
     """Random head layers (seeded), the LM head copied from the target's (its rows at vocab_ids [V'] with a
     draft vocabulary, which then needs them). With layers_from_target, the Ls layers start as copies of the
-    target's last Ls full-attention layers (as the PSM's: the layers whose output the final norm and head read)."""
+    target's first Ls full-attention layers from the exit on: the layers that follow h_e in the target (on
+    SmolLM2 their first-batch KL is near a random layer's, a copy of the last layer's is far above both)."""
     out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PPSD head")
     if layers_from_target:
-        attn = target_params["layers"].get(ATTENTION)
-        have = 0 if attn is None else attn["wq"].shape[0]
-        if have < spec.num_layers:
+        kinds = cfg.layer_types
+        after = [i for i, k in enumerate(kinds) if k == ATTENTION and i >= spec.exit][:spec.num_layers]
+        if len(after) < spec.num_layers:
             raise ValueError(f"layers_from_target: the PPSD head has {spec.num_layers} layers but the target only "
-                             f"{have} full-attention layers to copy")
+                             f"{len(after)} full-attention layers after its exit (layer {spec.exit}) to copy")
+        stack = [kinds[:i].count(ATTENTION) for i in after]  # their places in the target's attention stack
         for k in schema.layer_schema(cfg, ATTENTION):  # copies: training donates the head's buffers
-            out["params"][f"layer_{k}"] = jnp.array(attn[k][have - spec.num_layers:], dtype, copy=True)
+            out["params"][f"layer_{k}"] = jnp.array(target_params["layers"][ATTENTION][k][jnp.asarray(stack)], dtype)
     return out
 
 
