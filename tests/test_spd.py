@@ -143,17 +143,20 @@ def _pair_counts(model, runs, **kw):
 SAMPLING_PROMPT = [5, 9, 11]
 
 
-@pytest.mark.parametrize("n,draft_vocab,drafter", [(2, False, "psm"), (4, True, "psm"), (2, False, "oracle")])
+@pytest.mark.parametrize("n,draft_vocab,drafter", [(2, False, "psm"), (4, True, "psm"), (2, False, "oracle"),
+                                                    (2, False, "ppsd")])
 def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_path, n, draft_vocab, drafter):
     """Seeded runs of SPD (random PSM: its draft for the 2nd token is verified by speculative sampling,
     over n vocabulary shards) give the target's exact joint distribution of the first two tokens
     (chi-square), and the same test rejects a deliberately wrong rule (accept every draft). With a
     draft vocabulary, q reaches the target's shards from the PSM head's own shards. The oracle proposes
-    a likely second token with certainty (its q a point mass, kept like the PSM's from draft to verify)."""
+    a likely second token with certainty (its q a point mass, kept like the PSM's from draft to verify).
+    PPSD's head (method ppsd, random) draws its draft after stage 0's step, verified by the same rule."""
     from spd_jax.decode import spd as engine
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=n)[0])
-    kw = dict(temperature=1.0, top_k=4, method="spd", n=n, psm_layers=1)
+    method = "ppsd" if drafter == "ppsd" else "spd"
+    kw = dict(temperature=1.0, top_k=4, method=method, n=n, psm_layers=1, drafter_spec="random")
 
     def warped(ids):
         lg = model.logits(np.array([ids]))[0, -1]
@@ -188,7 +191,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
         return  # the wrong rule is the engine's, not the head's: rejected once is enough
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
-    monkeypatch.setattr(methods.METHODS["spd"], "compiled", CompileCache())
+    monkeypatch.setattr(methods.METHODS[method], "compiled", CompileCache())
     outside, p_bad = pvalue(_pair_counts(model, 200, **kw))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
