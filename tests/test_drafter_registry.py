@@ -29,15 +29,17 @@ def test_drafter_ref_takes_the_older_forms():
 
 
 def test_every_kind_is_whole():
-    assert set(registry.KINDS) == {"psm", "eagle3"}
+    assert set(registry.KINDS) == {"psm", "eagle3", "ppsd"}
     for name, k in registry.KINDS.items():
-        assert k.name == name and k.identity_file == f"{name}.json" and k.shipped_dir.is_dir()
-        assert any(k.shipped_dir.glob(f"*/{k.identity_file}")), "a trained one ships"
+        assert k.name == name and k.identity_file == f"{name}.json"
+        # a trained one ships for the PSM and EAGLE-3; none yet for PPSD (its runs are scheduled)
+        assert any(k.shipped_dir.glob(f"*/{k.identity_file}")) == (name != "ppsd"), name
+        assert (k.staged and k.random_flag and k.teacher_drafts) or not (k.staged or k.teacher_drafts)
         for meta in k.shipped_dir.glob(f"*/{k.identity_file}"):
             spec = registry.store.read_spec(k, meta.parent)  # the shipped identity files read unchanged
             assert isinstance(spec, k.config) and registry.of_checkpoint(meta.parent) is k
             assert k.from_json(k.to_json(spec), str(meta.parent)) == spec
-    with pytest.raises(ValueError, match="unknown drafter 'x': one of psm, eagle3"):
+    with pytest.raises(ValueError, match="unknown drafter 'x': one of psm, eagle3, ppsd"):
         registry.kind("x")
 
 
@@ -61,15 +63,17 @@ def test_every_kind_trains_through_its_training_record():
 
 
 def test_methods_are_objects_with_their_own_caches():
-    assert list(methods.METHODS) == ["ar", "tp", "pipeline", "spd", "eagle3"]
+    assert list(methods.METHODS) == ["ar", "tp", "pipeline", "spd", "ppsd", "eagle3"]
     caches = [m.compiled for m in methods.METHODS.values()]
     assert len({id(c) for c in caches}) == len(caches)
-    spd = methods.get("spd")
+    spd, ppsd = methods.get("spd"), methods.get("ppsd")
     assert spd.drafter_kind is registry.PSM and methods.get("eagle3").drafter_kind is registry.EAGLE3
+    assert ppsd.drafter_kind is registry.PPSD and methods.of_drafter(registry.PPSD) is ppsd
     assert spd.devices(spd.options(n=4, psm_placement="own")) == 5
+    assert ppsd.devices(ppsd.options(n=4)) == 4  # its head runs on stage 0's device
     assert methods.get("pipeline").devices(methods.get("pipeline").options(n=4, psm_placement="own")) == 4
     assert methods.get("ar").devices(methods.get("ar").options(n=4)) == 1
-    with pytest.raises(ValueError, match="unknown method 'x': available: ar, tp, pipeline, spd, eagle3"):
+    with pytest.raises(ValueError, match="unknown method 'x': available: ar, tp, pipeline, spd, ppsd, eagle3"):
         methods.get("x")
     with pytest.raises(ValueError, match="eagle3 needs a positive chain length k"):
         methods.get("eagle3").options(k=0)
@@ -78,7 +82,10 @@ def test_methods_are_objects_with_their_own_caches():
 def test_what_callers_ask_of_a_method_instead_of_its_name():
     ar, spd, e3 = methods.get("ar"), methods.get("spd"), methods.get("eagle3")
     assert [m.name for m in methods.METHODS.values() if m.baseline] == ["ar"]
-    assert (spd.label_key, e3.label_key, ar.label_key) == ("psm", "drafter_spec", None)
+    assert (spd.label_key, e3.label_key, ar.label_key, methods.get("ppsd").label_key) == (
+        "psm", "drafter_spec", None, "ppsd")
+    assert (spd.drafter_ref(spd.options(spec="a", drafter_spec="b")),
+            methods.get("ppsd").drafter_ref(methods.get("ppsd").options(spec="a", drafter_spec="b"))) == ("a", "b")
     assert (ar.steps(dict(tokens=5)), spd.steps(dict(cycles=7)), e3.steps(dict(rounds=2))) == (5, 7, 2)
     assert [m.name for m in methods.METHODS.values() if not m.multi_process] == ["ar", "eagle3"]
     assert not registry.is_checkpoint("random") and not registry.is_checkpoint("given")

@@ -283,7 +283,7 @@ def drafter_identity_checks(source: str, configs: set[str], kinds: set[str]) -> 
 
 def test_train_never_asks_which_drafter_it_trains():
     configs, kinds = _drafter_identities()
-    assert configs == {"PSMConfig", "Eagle3Config"} and kinds == {"PSM", "EAGLE3"}
+    assert configs == {"PSMConfig", "Eagle3Config", "PPSDConfig"} and kinds == {"PSM", "EAGLE3", "PPSD"}
     bad = [f"{path.relative_to(ROOT)}:{line}: {code}" for mod, path in _sources().items() if _top(mod) == "train"
            for line, code in drafter_identity_checks(path.read_text(), configs, kinds)]
     assert not bad, ("train/ branches on which drafter it trains (ask the kind's `Training` record, "

@@ -117,7 +117,7 @@ def test_cli_missing_init_from(tiny_ckpt, tmp_path):
     """A warm start from a directory that holds no exported drafter fails before the run is recorded."""
     path, _ = tiny_ckpt("llama", False)
     _fails(_cli("--config", CONFIG, "--out", str(tmp_path / "run"), f"model={path}", "n=2",
-                f"init_from={tmp_path / 'nope'}"), "no psm.json or eagle3.json there")
+                f"init_from={tmp_path / 'nope'}"), "no psm.json or eagle3.json or ppsd.json there")
     assert not (tmp_path / "run" / "run.json").exists()
 
 

@@ -593,7 +593,7 @@ def test_resume_refuses_another_method(llama):
     with pytest.raises(ValueError, match="was trained for"):
         train_checkpoints.check_resume(e3_id, json.loads(json.dumps(train_checkpoints.run_identity(llama, train_step.drafter_spec(llama, other),
                                                                           other))))
-    with pytest.raises(ValueError, match="method must be one of psm, eagle3"):
+    with pytest.raises(ValueError, match="method must be one of psm, eagle3, ppsd"):
         TrainConfig.from_dict(dict(method="medusa"))
 
 
