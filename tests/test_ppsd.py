@@ -192,7 +192,8 @@ def test_checkpoints_load_for_their_target_and_plan(deep, reference, tmp_path, t
     here = _ppsd(deep, 4, drafter_spec=(spec, v))
     assert (here.stats["accepted"], here.stats["cycles"]) == (res.stats["accepted"], res.stats["cycles"])
     other_plan = [1, 3, 2, 2] if list(plan) != [1, 3, 2, 2] else [2, 2, 1, 3]
-    with pytest.raises(PPSDCheckpointError, match=r"trained for the stage plan \[2, 2, 2, 2\] \(its exit after layer 2"):
+    exit_2 = r"trained for the stage plan \[2, 2, 2, 2\] \(its exit after layer 2"
+    with pytest.raises(PPSDCheckpointError, match=exit_2):
         _ppsd(deep, 4, other_plan, drafter_spec=str(tmp_path / "h"))
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PPSDCheckpointError, match="trained for another model"):
@@ -201,3 +202,83 @@ def test_checkpoints_load_for_their_target_and_plan(deep, reference, tmp_path, t
         spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, spec=str(tmp_path / "h"))
     with pytest.raises(ValueError, match="drafts after stage 0's step, on its device: placement 'own'"):
         _ppsd(deep, 4, drafter_spec="random", psm_placement="own")
+
+
+def test_trains_through_the_same_step_and_exports(tiny_ckpt, tmp_path):
+    """method=ppsd through `train.step.make_step` (the PSM's batches and optimiser): the loss falls on a
+    learnable corpus, the quick eval runs the ppsd method at the head's n, and the export (the target's
+    head shared, not stored) loads and decodes exactly `ar`'s tokens, with the drafts of the weights in
+    memory."""
+    from spd_jax.drafters.base import join_params
+    from spd_jax.sharding import data_model_mesh
+    from train import checkpoints, corpus, quick_eval, step
+    from train.config import TrainConfig
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(40):  # a random phrase repeated: predictable from the tokens seen, even for a random target
+        ids = np.tile(rng.integers(3, model.config.vocab_size, 6), 8)[: rng.integers(30, 48)].astype(np.int32)
+        mask = np.zeros(len(ids), bool)
+        mask[len(ids) // 2:-1] = True
+        data.append((ids, mask))
+    tc = TrainConfig.of(model=str(model.path), method="ppsd", n=4, buckets=(48,), max_len=48, batch_size=8,
+                        warmup=5, steps=20, lr=3e-3, eval_tokens=12)
+    spec = step.drafter_spec(model, tc)
+    assert spec == PPSDConfig.for_target(model.config, (2, 2, 2, 2)) and checkpoints.export_name(spec) == "ppsd"
+    opt = step.make_optimizer(tc)
+    state, frozen = step.init_state(model, spec, tc, opt)
+    update = step.make_step(model.config, spec, tc, opt, data_model_mesh(2, 1))
+    batches = corpus.Batches(data, tc)
+    losses = []
+    for i in range(20):
+        state, met = update(state, frozen, model.params, batches.get(i))
+        losses.append(float(met["loss"]))
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+    variables = join_params(state["params"], frozen)
+    prompts = [ids[:12] for ids, _ in data[:2]]
+    ev = quick_eval.quick_eval(model, spec, variables, prompts, tc)
+    assert ev["S0"] == ev["alpha"] * 8 / 2 and ev["eval_tokens"] == 24
+    checkpoints.save_drafter(tmp_path / "ppsd", variables, spec, dict(trained=dict(method="ppsd", steps=20)))
+    assert json.loads((tmp_path / "ppsd" / "ppsd.json").read_text())["head"] == "shared"
+    want = spd_jax.generate(model, prompts[1], 16, stop_at_eos=False).token_ids
+    res = spd_jax.generate(model, prompts[1], 16, method="ppsd", n=4, drafter_spec=str(tmp_path / "ppsd"),
+                           stop_at_eos=False)
+    assert res.token_ids == want and res.stats["accepted"] > 0
+    here = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), variables)
+    mem = spd_jax.generate(model, prompts[1], 16, method="ppsd", n=4, drafter_spec=(spec, here), stop_at_eos=False)
+    assert (mem.stats["accepted"], mem.stats["cycles"]) == (res.stats["accepted"], res.stats["cycles"])
+
+
+@pytest.mark.real_model
+def test_cli_trains_the_ppsd_head_and_it_decodes(smollm2, tmp_path):
+    """train.main with configs/train/smollm2-ppsd-n8.yaml (at n = 2: the quick eval's engine compiles fast)
+    on the PSM's data machinery, with a draft vocabulary and the teacher cache: metrics with the quick eval's
+    S0, the exported head (bf16, the target's head rows shared) loads for SmolLM2 and its plan, records the
+    target's weights, and decodes exactly `ar`'s tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.main", "--config", str(root / "configs/train/smollm2-ppsd-n8.yaml"),
+           "--mesh", "2x1", "--out", str(out), "--steps", "3", "sources=[gsm8k]", "limit=48", "buckets=[192]",
+           "max_len=192", "batch_size=2", "eval_every=3", "eval_prompts=1", "eval_tokens=8", "save_every=3",
+           "heldout=4", "log_every=1", "n=2", "draft_vocab=4096", "teacher_cache=true"]
+    env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PPSD early-exit head for smollm2-135m-instruct: n=2, stages [15, 15], exit after layer 15" in r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3] and rows[-1]["eval_tokens"] == 8 and "S0" in rows[-1]
+    meta = json.loads((out / "ppsd" / "ppsd.json").read_text())
+    assert meta["target_weights"] == smollm2.weights_fingerprint and meta["head"] == "shared"
+    assert meta["trained"]["method"] == "ppsd"
+    assert json.loads((out / "run.json").read_text())["identity"]["method"] == "ppsd"
+    spec, v = ppsd.load_ppsd(out / "ppsd", smollm2.config, (15, 15), smollm2.params)
+    assert spec.plan == (15, 15) and spec.num_layers == 1 and spec.draft_vocab == 4096
+    assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])
+    prompt = smollm2.encode("What is 7 times 8?")
+    want = spd_jax.generate(smollm2, prompt, 16).token_ids
+    assert spd_jax.generate(smollm2, prompt, 16, method="ppsd", n=2, drafter_spec=str(out / "ppsd")).token_ids == want
