@@ -144,10 +144,11 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, co
     stage_ars = tuple(sum(ars[a:b]) for a, b in plan.bounds) if model > 1 else ()
     body, psm_head, psm_shard, m, psm_ars, dv = (), None, None, 0, 0, 0
     if psm_cfg is not None:
-        # the PSM's draft (its kind's cost) over a full pipeline: n in-flight rows plus the block's first
-        # completed row (`profile_cycle`'s block); its head's shard: a PSM's head over ceil(V' / D) rows
-        cost = functools.partial(_drafter_kinds().PSM.cost, cfg, context=context, param_bytes=param_bytes,
-                                 cache_bytes=cache_bytes, rows=n + 1)
+        # the drafter's draft, its kind's cost over its own rows (a PSM's: a full pipeline, n in-flight rows
+        # plus the block's first completed row, `profile_cycle`'s block; a PPSD head's: the newest token's);
+        # its head's shard: the head over ceil(V' / D) rows
+        cost = functools.partial(_drafter_kinds().of_config(psm_cfg).cost, cfg, context=context,
+                                 param_bytes=param_bytes, cache_bytes=cache_bytes)
         *body, psm_head = cost(psm_cfg)
         dv = -(-(psm_cfg.draft_vocab or cfg.vocab_size) // D)
         psm_shard, m = cost(dataclasses.replace(psm_cfg, draft_vocab=dv))[-1], psm_cfg.m
