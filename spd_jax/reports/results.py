@@ -144,9 +144,9 @@ def pooled(rows: list[dict]) -> list[dict]:
                           cycles=cyc, alpha=alpha, S0=alpha * rs[0]["depth_ratio"], tokens_per_s=tok / wall,
                           wall_s=wall, prefill_s=prefill,
                           context=sum(r.get("prompt_tokens", 0) + r["tokens"] / 2 for r in rs) / len(rs),
-                          stage_layers=rs[0].get("stage_layers"), psm=rs[0].get("psm"),
-                          psm_device=rs[0].get("psm_device"),
-                          drafter_spec=rs[0].get("drafter_spec"), timing_includes=rs[0]["timing_includes"]))
+                          stage_layers=rs[0].get("stage_layers"), psm_device=rs[0].get("psm_device"),
+                          **{f: rs[0].get(f) for f in sorted(set(DRAFTER_FIELD.values()))},  # psm, drafter_spec, ...
+                          timing_includes=rs[0]["timing_includes"]))
     ar = {(t["bench"], t["temperature"]): t["tokens_per_s"] for t in table if t["method"] == BASELINE}
     for t in table:
         base = ar.get((t["bench"], t["temperature"]))

@@ -7,9 +7,8 @@ Builds text from plain data; reads and writes no file. The projections come from
 
 from __future__ import annotations
 
-from spd_jax.drafters import eagle3, registry
+from spd_jax.drafters import eagle3, registry, store
 from spd_jax.methods import METHODS
-from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.pipeline import baselines, costs
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.reports.results import DRAFTER_FIELD, method_label
@@ -56,18 +55,22 @@ def _project_eagle3(t: dict, cfg, hw, ctx: int) -> dict:
 
 
 def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
-    """tp, pipeline and spd at n (spd at the row's measured alpha, stage plan and PSM device)."""
+    """tp, pipeline and the drafted pipelines (spd, ppsd) at n: a drafted one at the row's measured alpha,
+    stage plan and drafter device, its drafter's cost from its kind (`costs.predict`'s spd figures)."""
     plan = StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else costs.default_plan(cfg, t["n"])
-    label = t.get("psm")
-    psm_cfg = read_spec(label) if registry.is_checkpoint(label) else PSMConfig.for_target(cfg, plan.counts)
+    m = METHODS[t["method"]]
+    kind = m.drafter_kind or registry.PSM  # tp, pipeline: predict's spd figures need a drafter, unread here
+    label = t.get(m.label_key) if m.label_key else None
+    d_cfg = store.read_spec(kind, label) if registry.is_checkpoint(label) else kind.random_config(cfg, plan)
     where = dict(psm_device=t["psm_device"]) if t.get("psm_device") is not None else {}  # as it ran
-    pred = costs.predict(cfg, t["n"], psm_cfg, hw, ctx, S0=t["S0"], plan=plan,
+    pred = costs.predict(cfg, t["n"], d_cfg, hw, ctx, S0=t["S0"], plan=plan,
                          alpha=t["alpha"] if t["method"] in DRAFTER_FIELD else None, **where)
+    key = "spd" if m.drafter_kind is not None else t["method"]  # predict's figures of a drafted pipeline: "spd"
     parts = {"tp": dict(compute=pred["tp_step_s"] - pred["tp_comm_s"], collectives=pred["tp_comm_s"]),
              "pipeline": dict(step=pred["pipeline_token_s"]),
              "spd": dict(busiest_device=pred["spd_cycle_s"] - pred["spd_comm_s"],
-                         collectives=pred["spd_comm_s"])}[t["method"]]
-    return dict(speedup=pred[f"speedup_{t['method']}"], parts_s=parts)
+                         collectives=pred["spd_comm_s"])}[key]
+    return dict(speedup=pred[f"speedup_{key}"], parts_s=parts)
 
 
 def projector(method: str):
