@@ -1,7 +1,7 @@
 """python -m infer.evaluate: acceptance (alpha, S0) and measured speed of every decoding method on
 benchmark prompts, side by side in one run.
 
-    python -m infer.evaluate --bench mt_bench,gsm8k,humaneval[,PATH.jsonl] --methods ar,pipeline,tp,eagle3,spd
+    python -m infer.evaluate --bench mt_bench,gsm8k,humaneval[,PATH.jsonl] --methods ar,pipeline,tp,eagle3,spd,ppsd
                              --n 2,4,8 --k 3,7 --temperature 0,1 --limit 80 --max-new-tokens 128 --out DIR
 
 Conventions follow the SPD reference code so figures compare with the paper's: 80 prompts per
@@ -17,7 +17,8 @@ drift hits them alike, and each method's weights are placed once per block inste
 
 `eagle3` is chain speculative decoding on one device with the EAGLE-3-style drafter, one row per chain
 length k (`n` = 1 device); its alpha and S0 are tokens per target pass, tokens / rounds (the reference's
-theoretical speedup of a chain drafter).
+theoretical speedup of a chain drafter). `ppsd` is the SPD engine with PPSD's early-exit head (--ppsd), its
+alpha and S0 counted as spd's.
 
 DIR/results.jsonl gets one row per (benchmark, prompt, method, n or k, T) as it finishes; a rerun skips
 the rows already there, unless the drafter at their path has changed since: each spd and eagle3 row
@@ -49,6 +50,7 @@ from infer.generate import csv_of
 from spd_jax import distributed
 from spd_jax.datasets import BENCHMARKS, read_benchmark
 from spd_jax.decode import pipelined
+from spd_jax.drafters import registry
 from spd_jax.drafters.store import content_id
 from spd_jax.methods import METHODS
 from spd_jax.methods import get as method_named
@@ -73,14 +75,23 @@ def row_key(r: dict) -> tuple:
             r.get("drafter"), r.get("drafter_id"), r["max_new_tokens"], r["seed"])
 
 
-def drafter_id(model, method: str, n: int, spec=None, drafter=None) -> str | None:
+def drafter_ref(method: str, spec=None, drafter=None, ppsd=None):
+    """The drafter a method's rows run, as given on the command line: spd's PSM (spec), eagle3's drafter,
+    ppsd's head; None for a method without a network drafter (ar, pipeline, tp) or the shipped one."""
+    kind = method_named(method).drafter_kind
+    given = {registry.PSM.name: spec, registry.EAGLE3.name: drafter, registry.PPSD.name: ppsd}
+    return None if kind is None else given[kind.name]
+
+
+def drafter_id(model, method: str, n: int, spec=None, drafter=None, ppsd=None) -> str | None:
     """What identifies the drafter a row of (method, n) runs, known before running it: None for the
     methods without one (ar, pipeline, tp), "random" for an untrained one (seed 0: always the same), else
     the content of its checkpoint (`store.content_id`), picked as `generate` picks it (the method's
     `drafter_source`: spd's spec, or the PSM shipped for this model and n; eagle3's drafter, or the one
-    shipped)."""
+    shipped; ppsd's head, or the one shipped for this model and n)."""
     m = method_named(method)
-    source = m.drafter_source(model, m.options(n=n, spec=spec, drafter_spec=drafter))
+    ref = drafter_ref(method, spec, drafter, ppsd)
+    source = m.drafter_source(model, m.options(n=n, spec=ref, drafter_spec=ref))
     if source is None:
         return None
     src = source.found  # a checkpoint path, the given reference, or None for a random one
@@ -105,12 +116,14 @@ def job_order(benches: dict[str, list[dict]], temperatures, configs: list[tuple]
 def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, max_new_tokens: int, out: Path,
              spec=None, seed: int = 0, progress: bool = True, write: bool = True, ks=(3,),
              drafter=None, method_ns: dict[str, list[int]] | None = None, block: int = 8,
-             command: list[str] | None = None) -> list[dict]:
+             command: list[str] | None = None, ppsd=None) -> list[dict]:
     """Run every (bench, prompt, method, n, T) not yet in out/results.jsonl, appending each row as it
     finishes (write=False: compute the same rows, write nothing: the other processes of a job); a method
     in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
-    else random; "random"; a checkpoint directory); rows run in blocks of `block` prompts (`job_order`).
+    else random; "random"; a checkpoint directory); spd with the PSM `spec`, ppsd with the head `ppsd` (None:
+    the one shipped for the model and n; "random"; a checkpoint directory); rows run in blocks of `block`
+    prompts (`job_order`).
     `command` (the CLI's arguments) goes to out/commands.txt once every pipeline depth and drafter has been
     checked, before any row runs: a killed run's rows have their command, a command refused for its depths
     or drafters leaves no line.
@@ -122,7 +135,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
 
     def id_of(method, n):
         if (method, n) not in known:
-            known[(method, n)] = drafter_id(model, method, max(n, 1), spec, drafter)
+            known[(method, n)] = drafter_id(model, method, max(n, 1), spec, drafter, ppsd)
         return known[(method, n)]
 
     chains = [(1, int(k)) for k in ks]  # a chain method (eagle3): (n = 1 device, k)
@@ -162,10 +175,10 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     with (path.open("a") if write else contextlib.nullcontext()) as f:
         for bench, i, p, method, n, k, temp in progress_bar(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
-            shape = row_shape(method)
-            chain = dict(k=k, drafter_spec=drafter) if shape.chain else {}
+            shape, ref = row_shape(method), drafter_ref(method, spec, drafter, ppsd)
+            # each method reads its own drafter option: spd `spec`, eagle3 and ppsd `drafter_spec`
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
-                                   **chain, **SAMPLING[temp])
+                                   drafter_spec=ref, **(dict(k=k) if shape.chain else {}), **SAMPLING[temp])
             s = res.stats
             # target passes after prefill: SPD / pipeline cycles, eagle3 verification rounds, one per ar token
             cycles = s["rounds"] if shape.chain else s.get("cycles", s["tokens"])
@@ -179,6 +192,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
                        tokens_per_s=s["tokens_per_s"], compile_s=s["compile_s"], compile_from=s["compile_from"], psm=s.get("psm"),
                        stage_layers=s.get("stage_layers"), psm_device=s.get("psm_device"), prefill_s=s.get("prefill_s"),
                        token_ids=res.token_ids, timing_includes=s["timing_includes"], backend=s["backend"])
+            label_key = method_named(method).label_key  # the drafter's label in the stats (a PPSD head's: "ppsd")
+            if label_key and label_key not in row:
+                row[label_key] = s.get(label_key)
             row["S0"] = row["alpha"] * row["depth_ratio"]
             if f is not None:
                 f.write(json.dumps(row) + "\n")
@@ -219,8 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", type=csv_of(str, "--bench", "gsm8k,my.jsonl"), default=list(BENCHMARKS),
                     help="comma-separated: mt_bench, gsm8k, humaneval, or JSONL paths")
     ap.add_argument("--methods", type=csv_of(str, "--methods", "ar,spd@8"), default=["ar", "pipeline", "spd"],
-                    help="comma-separated: ar, tp, pipeline, spd, eagle3; name@n runs that method at depth n only "
-                         "(repeat for more), the others at every --n")
+                    help="comma-separated: ar, tp, pipeline, spd, ppsd, eagle3; name@n runs that method at depth n "
+                         "only (repeat for more), the others at every --n")
     ap.add_argument("--n", type=csv_of(int, "--n", "2,4,8"), default=[8], help="pipeline depths, e.g. 2,4,8")
     ap.add_argument("--k", type=csv_of(int, "--k", "3,7"), default=[3, 7],
                     help="eagle3 chain lengths (drafts per round), e.g. 3,7")
@@ -232,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--spec", default=None, help="PSM checkpoint (default: the one shipped for the model and n)")
     ap.add_argument("--random-psm", action="store_true", help="an untrained PSM (for testing the harness)")
+    ap.add_argument("--ppsd", default=None, help="PPSD head checkpoint for the ppsd rows, or 'random' (default: the "
+                                                 "one shipped for the model and n, else a random one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block", type=int, default=8,
                     help="prompts per block: each method runs a block's prompts in turn, then the next method "
@@ -279,7 +297,7 @@ def main(argv=None) -> int:
         spec = "random" if args.random_psm else args.spec
         rows = evaluate(model, benches, args.methods, args.n, args.temperature, args.max_new_tokens, out, spec,
                         args.seed, progress=leader, write=leader, ks=args.k, drafter=args.drafter,
-                        method_ns=method_ns, block=args.block, command=argv)
+                        method_ns=method_ns, block=args.block, command=argv, ppsd=args.ppsd)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
