@@ -1,17 +1,18 @@
-"""python -m infer.replay: a PSM's exact greedy alpha and S0 on benchmark prompts without running the
-engine, and its acceptance by pipeline fill.
+"""python -m infer.replay: a PSM's (or PPSD head's) exact greedy alpha and S0 on benchmark prompts without
+running the engine, and its acceptance by pipeline fill.
 
-    python -m infer.replay --from runs/eval [--psm DIR ...] [--n 8] [--model NAME] [--out DIR]
+    python -m infer.replay --from runs/eval [--psm DIR ...] [--ppsd DIR ...] [--n 8] [--model NAME] [--out DIR]
 
-Greedy SPD commits the target's own greedy continuation, and the drafts it verifies are the PSM's
-teacher-forced drafts on it at each (newest token, fill) (`spd_jax.decode.schedule`). So one teacher-forced
-pass per fill over the continuations `ar` produced in an `infer.evaluate` run (its rows at T = 0, with
-their token ids) gives, for each PSM given, what the engine would count: tokens, cycles, accepted and
-rejected drafts per prompt, pooled alpha and S0 as `infer.evaluate` pools them, in far less time than
-the cycle-by-cycle engine takes on a CPU host. Where the run also holds `spd` rows of the same PSM (its
-content, the rows' `drafter_id`; by path for rows made before ids were recorded) and n, each prompt's
-replayed counts are checked against them (equal up to the float near-ties of two different computations
-of one draft).
+Greedy SPD commits the target's own greedy continuation, and the drafts it verifies are the drafter's
+teacher-forced drafts on it at each (newest token, fill) (`spd_jax.decode.schedule`; a PPSD head's are the
+same at every fill). So one teacher-forced pass per fill over the continuations `ar` produced in an
+`infer.evaluate` run (its rows at T = 0, with their token ids) gives, for each drafter given (its kind's
+`teacher_drafts`), what the engine would count: tokens, cycles, accepted and rejected drafts per prompt,
+pooled alpha and S0 as `infer.evaluate` pools them, in far less time than the cycle-by-cycle engine takes on
+a CPU host. Where the run also holds rows of the drafter's method (`spd` for a PSM, `ppsd` for a PPSD head)
+with the same drafter (its content, the rows' `drafter_id`, or "random" for an untrained one asked for by
+name; by path for rows made before ids were recorded) and n, each prompt's replayed counts are checked
+against them (equal up to the float near-ties of two different computations of one draft).
 
 It also reports S0 at every smaller budget of new tokens (powers of two from 8): the engine's run with
 budget L commits the first L tokens of the same continuation (up to float near-ties between two compiled
@@ -40,7 +41,7 @@ from spd_jax.datasets import read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.decode.schedule import replay_greedy
 from spd_jax.drafters import registry
-from spd_jax.drafters.psm import drafts_by_fill
+from spd_jax.drafters.kind import DrafterRef, Form
 from spd_jax.progress import progress_bar
 from spd_jax.reports.replay import REPEAT, plot_replay, replay_markdown
 from spd_jax.reports.results import read_rows, rows_of_drafter
@@ -53,8 +54,8 @@ log = logging.getLogger(__name__)
 
 
 def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], list[dict]]:
-    """An infer.evaluate run -> (model name, max_new_tokens, its `ar` rows at T = 0 with token ids, its
-    `spd` rows at T = 0 and depth n)."""
+    """An infer.evaluate run -> (model name, max_new_tokens, its `ar` rows at T = 0 with token ids, its rows
+    of the drafted pipelines (spd, ppsd) at T = 0 and depth n)."""
     path = eval_dir / "results.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --from takes an infer.evaluate --out directory")
@@ -68,12 +69,13 @@ def read_continuations(eval_dir: Path, n: int) -> tuple[str, int, list[dict], li
     if len(setups) > 1:
         raise ValueError(f"{path} mixes models or lengths {sorted(setups)}: replay one setup per directory")
     (model, max_new), = setups
-    spd = [r for r in rows if methods.get(r["method"]) is methods.of_drafter(registry.PSM) and r["temperature"] == 0
-           and r["n"] == n and (r["model"], r["max_new_tokens"]) == (model, max_new)]
-    return model, max_new, ar, spd
+    staged = {m.name for m in methods.METHODS.values() if m.drafter_kind is not None and m.drafter_kind.staged}
+    drafted = [r for r in rows if r["method"] in staged and r["temperature"] == 0 and r["n"] == n
+               and (r["model"], r["max_new_tokens"]) == (model, max_new)]
+    return model, max_new, ar, drafted
 
 
-def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[int],
+def teacher_forced(model, kind, spec, variables, seqs: list[list[int]], starts: list[int],
                    show_progress: bool = True) -> list[np.ndarray]:
     """Each sequence [S] -> right [S, n] bool: the draft for t + 1 made at fill k equals seq[t + 1], for
     t >= its start (the first generated token's position, the prompt's length: the engine's first draft
@@ -90,7 +92,8 @@ def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[i
         for j, i in enumerate(idx):
             tokens[j, :len(seqs[i])] = seqs[i]
             at[j] = np.minimum(starts[i] + np.arange(R), T - 1)
-        _, drafts = drafts_by_fill(model.config, spec, variables, model.params, jnp.asarray(tokens), jnp.asarray(at))
+        _, drafts = kind.teacher_drafts(model.config, spec, variables, model.params, jnp.asarray(tokens),
+                                        jnp.asarray(at))
         drafts = np.asarray(drafts)
         for j, i in enumerate(idx):
             s = np.asarray(seqs[i])
@@ -103,21 +106,28 @@ def teacher_forced(model, spec, variables, seqs: list[list[int]], starts: list[i
     return out
 
 
-def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar: list[dict], max_new: int,
-               spd_rows: list[dict], show_progress: bool = True) -> dict:
-    """One PSM over the continuations -> its rows (one per prompt), pooled figures and agreement by fill."""
+def replay_drafter(model, kind, path: str | None, n: int, prompts: list[list[int]], ar: list[dict], max_new: int,
+                   drafted_rows: list[dict], show_progress: bool = True) -> dict:
+    """One drafter of a staged kind (the PSM, PPSD) over the continuations -> its rows (one per prompt),
+    pooled figures and agreement by fill. path: its checkpoint, None (the shipped one) or "random" (asked
+    for by name: seed 0, as the engine's random one)."""
     plan = pipelined.plan_for(model, n)
-    if pipelined.psm_source(model, plan, psm_path)[0] is None:  # asked before resolve_psm announces a random one
-        raise ValueError(f"no PSM to replay: none ships for {model.path.name} at n={n}; pass --psm DIR")
-    spec, variables, label = pipelined.resolve_psm(model, plan, psm_path, psm_layers=2)
+    method = methods.of_drafter(kind)
+    random = DrafterRef.of(path).form is Form.RANDOM
+    if not random and registry.source(kind, model, path, plan)[0] is None:  # asked before resolve announces one
+        raise ValueError(f"no {kind.label} to replay: none ships for {model.path.name} at n={n}; pass "
+                         f"--{kind.name} DIR (or --{kind.name} random)")
+    spec, variables, label = registry.resolve(kind, model, path, plan, 2, method=method.name)
     seqs = [list(p) + list(r["token_ids"]) for p, r in zip(prompts, ar)]
-    rights = teacher_forced(model, spec, variables, seqs, [len(p) for p in prompts], show_progress)
-    # the engine's rows of this PSM: by its content (drafter_id), not by the path, which may hold another
-    # PSM now than when the rows were made
-    mine, legacy = rows_of_drafter(spd_rows, Path(label), methods.of_drafter(registry.PSM).label_key)
+    rights = teacher_forced(model, kind, spec, variables, seqs, [len(p) for p in prompts], show_progress)
+    # the engine's rows of this drafter: by its content (drafter_id), not by the path, which may hold another
+    # drafter now than when the rows were made; an untrained one's rows by their id "random"
+    rows = [r for r in drafted_rows if r["method"] == method.name]
+    mine, legacy = (([r for r in rows if r.get("drafter_id") == label], False) if random
+                    else rows_of_drafter(rows, Path(label), method.label_key))
     if legacy:
-        log.warning("the spd rows of %s record no drafter id (made before ids were recorded): checked against "
-                    "them by path, so a PSM written there since would not match them", label)
+        log.warning("the %s rows of %s record no drafter id (made before ids were recorded): checked against "
+                    "them by path, so a drafter written there since would not match them", method.name, label)
     measured = {(r["bench"], r["prompt_index"]): r for r in mine}
     rows, agree, count = [], np.zeros(n), 0
     cut = {L: [] for L in budgets(max_new)}  # the same runs with a smaller budget of new tokens
@@ -147,7 +157,7 @@ def replay_psm(model, psm_path: str | None, n: int, prompts: list[list[int]], ar
             mine = [x[:L] for x, r in zip(loops, ar) if b in ("all", r["bench"])]
             v["repeated"] = float(sum(x.sum() for x in mine) / max(sum(len(x) for x in mine), 1))
         by_length.append(dict(L=L, pooled=pooled))
-    return dict(psm=label, n=n, plan=list(plan.counts), rows=rows, pooled=full,
+    return dict(method=method.name, drafter=label, n=n, plan=list(plan.counts), rows=rows, pooled=full,
                 agreement_by_fill=(agree / max(count, 1)).tolist(), positions=count, by_length=by_length)
 
 
@@ -204,7 +214,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.replay", description=__doc__.split("\n")[0])
     ap.add_argument("--from", dest="source", required=True, help="an infer.evaluate --out directory with ar rows at T=0")
     ap.add_argument("--psm", action="append", default=None,
-                    help="PSM checkpoint directory (repeat to compare; default: the one shipped for the model and n)")
+                    help="PSM checkpoint directory, or 'random' (repeat to compare; default, without --ppsd: the one "
+                         "shipped for the model and n)")
+    ap.add_argument("--ppsd", action="append", default=None,
+                    help="PPSD head checkpoint directory, or 'random' (repeat to compare)")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--model", default=None, help="the model name or checkpoint path (default: the run's model)")
     ap.add_argument("--out", default=None, help="output directory (default: FROM/replay)")
@@ -212,7 +225,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     source = Path(args.source)
     try:
-        model_name, max_new, ar, spd_rows = read_continuations(source, args.n)
+        model_name, max_new, ar, drafted = read_continuations(source, args.n)
         benches = {}
         for b in sorted({r["bench"] for r in ar}):
             benches[b] = read_benchmark(b, 1 + max(r["prompt_index"] for r in ar if r["bench"] == b))
@@ -224,7 +237,9 @@ def main(argv=None) -> int:
             if len(prompts[-1]) != r["prompt_tokens"]:
                 raise ValueError(f"{r['bench']} prompt {r['prompt_index']} encodes to {len(prompts[-1])} tokens, the run's "
                                  f"row says {r['prompt_tokens']}: the benchmark file or tokenizer changed since")
-        results = [replay_psm(model, p, args.n, prompts, ar, max_new, spd_rows) for p in (args.psm or [None])]
+        asked = [(registry.PSM, p) for p in args.psm or ([] if args.ppsd else [None])]
+        asked += [(registry.PPSD, p) for p in args.ppsd or []]
+        results = [replay_drafter(model, kind, p, args.n, prompts, ar, max_new, drafted) for kind, p in asked]
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """The report of `infer.replay`: greedy SPD replayed from teacher-forced drafts (replay.json's results)
-as a markdown table and a plot: pooled alpha and S0 per PSM, agreement and verified drafts by fill, S0 by
-the budget of new tokens, the continuations' repetition.
+as a markdown table and a plot: pooled alpha and S0 per drafter (a PSM or a PPSD head), agreement and
+verified drafts by fill, S0 by the budget of new tokens, the continuations' repetition.
 
 Builds text and a PNG from plain data (`infer.replay`'s result dicts); computes no figure itself.
 """
@@ -16,9 +16,10 @@ import numpy as np
 REPEAT = 4  # n-gram length of the repetition share (`infer.replay.repeats` counts it, the table names it)
 
 
-def _name(path: str) -> str:
-    """A PSM's short label: its directory and parent (runs/a/psm and runs/b/psm stay apart)."""
-    return "/".join(Path(path).parts[-2:])
+def _name(res: dict) -> str:
+    """A replayed drafter's short label: its method and its directory with the parent (runs/a/psm and
+    runs/b/psm stay apart; "random" for an untrained one)."""
+    return f"{res['method']} {'/'.join(Path(res['drafter']).parts[-2:])}"
 
 
 def replay_markdown(results: list[dict], setup: dict) -> str:
@@ -27,34 +28,35 @@ def replay_markdown(results: list[dict], setup: dict) -> str:
              f"{setup['max_new_tokens']} new tokens", "",
              f"Continuations: `ar` rows of `{setup['from']}`. Exact greedy counts of the engine from teacher-forced "
              "drafts (`python -m infer.replay`).", "",
-             "| PSM | bench | alpha | S0 | accepted | rejected | engine check |", "|---|---|---|---|---|---|---|"]
+             "| drafter | bench | alpha | S0 | accepted | rejected | engine check |", "|---|---|---|---|---|---|---|"]
     for res in results:
         for bench, p in res["pooled"].items():
-            check = (f"{p['engine_equal']}/{p['engine_checked']} prompts equal" if p["engine_checked"] else "no spd rows")
+            check = (f"{p['engine_equal']}/{p['engine_checked']} prompts equal" if p["engine_checked"]
+                     else f"no {res['method']} rows")
             if p["engine_S0"] is not None:
                 check += f", measured S0 {p['engine_S0']:.3f}"
-            lines.append(f"| {_name(res['psm'])} | {bench} | {p['alpha']:.3f} | {p['S0']:.3f} | {p['accepted']} | "
+            lines.append(f"| {_name(res)} | {bench} | {p['alpha']:.3f} | {p['S0']:.3f} | {p['accepted']} | "
                          f"{p['rejected']} | {check} |")
     lines += ["", "Per fill k (tokens in flight when the draft is made): teacher-forced agreement over every generated "
               "position, and the engine's verified drafts made at that fill (accepted / verified).", "",
-              "| PSM | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |", "|---|" + "---|" * n]
+              "| drafter | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |", "|---|" + "---|" * n]
     for res in results:
         p = res["pooled"]["all"]
-        lines.append(f"| {_name(res['psm'])} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
-        lines.append(f"| {_name(res['psm'])} verified | " + " | ".join(
+        lines.append(f"| {_name(res)} agreement | " + " | ".join(f"{a:.3f}" for a in res["agreement_by_fill"]) + " |")
+        lines.append(f"| {_name(res)} verified | " + " | ".join(
             f"{a}/{v}" for a, v in zip(p["accepted_fill"], p["verified_fill"])) + " |")
     if len(results[0]["by_length"]) > 1:
         head = " | ".join(f"L={e['L']}" for e in results[0]["by_length"]) + " |"
         lines += ["", "Pooled S0 by the budget of new tokens: the same runs with a smaller budget (the first L tokens "
                   "of each continuation, as the engine commits them with budget L).", "",
-                  "| PSM | bench | " + head, "|---|---|" + "---|" * len(results[0]["by_length"])]
+                  "| drafter | bench | " + head, "|---|---|" + "---|" * len(results[0]["by_length"])]
         for res in results:
             by = res["by_length"]
-            lines += [f"| {_name(res['psm'])} | {b} | " + " | ".join(f"{e['pooled'][b]['S0']:.3f}" for e in by) + " |"
+            lines += [f"| {_name(res)} | {b} | " + " | ".join(f"{e['pooled'][b]['S0']:.3f}" for e in by) + " |"
                       for b in by[-1]["pooled"]]
         by = results[0]["by_length"]
         lines += ["", f"Share of those tokens that close a {REPEAT}-gram already seen in the same continuation (loops, "
-                  "which drafters predict easily; a property of the continuations, the same for every PSM):", "",
+                  "which drafters predict easily; a property of the continuations, the same for every drafter):", "",
                   "| bench | " + head, "|---|" + "---|" * len(by)]
         lines += [f"| {b} | " + " | ".join(f"{e['pooled'][b]['repeated']:.3f}" for e in by) + " |"
                   for b in by[-1]["pooled"]]
@@ -68,7 +70,7 @@ def plot_replay(results: list[dict], png: Path) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     width = 0.8 / len(results)
     for i, res in enumerate(results):
-        name = _name(res["psm"])
+        name = _name(res)
         ax[0].plot(k, res["agreement_by_fill"], marker="o", label=name)
         v = np.asarray(res["pooled"]["all"]["verified_fill"], float)
         ax[1].bar(k + (i - (len(results) - 1) / 2) * width, v / max(v.sum(), 1), width, label=name)
