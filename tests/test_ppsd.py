@@ -282,3 +282,39 @@ def test_cli_trains_the_ppsd_head_and_it_decodes(smollm2, tmp_path):
     prompt = smollm2.encode("What is 7 times 8?")
     want = spd_jax.generate(smollm2, prompt, 16).token_ids
     assert spd_jax.generate(smollm2, prompt, 16, method="ppsd", n=2, drafter_spec=str(out / "ppsd")).token_ids == want
+
+
+def test_evaluate_and_replay_take_the_ppsd_head(tiny_ckpt, tmp_path):
+    """infer.evaluate runs ppsd rows beside spd's with the head given (--ppsd): they record its label and
+    content and its projections; infer.replay --ppsd replays the head's teacher-forced drafts over the `ar`
+    rows and equals each evaluated ppsd row (a saved head and an untrained one asked for by name)."""
+    from infer import evaluate, replay
+    from spd_jax.datasets import read_benchmark
+    from spd_jax.drafters.store import content_id
+    from spd_jax.reports.results import pooled
+    from spd_jax.reports.tables import project, results_markdown
+
+    model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
+    spec = PPSDConfig.for_target(model.config, pipelined.plan_for(model, 2).counts)
+    save_ppsd(tmp_path / "h", _sensitive(model, spec, seed=4, scale=0.5), spec)
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 9, 7 + 2 * i, 3]}) + "\n" for i in range(2)))
+    benches = {str(bench): read_benchmark(str(bench))}
+    for head, out in ((str(tmp_path / "h"), tmp_path / "eval"), ("random", tmp_path / "eval_random")):
+        rows = evaluate.evaluate(model, benches, ["ar", "ppsd"], [2], [0.0], 10, out, ppsd=head, progress=False)
+        mine = [r for r in rows if r["method"] == "ppsd"]
+        assert len(mine) == 2 and all(r["ppsd"] == head and r["psm_device"] == 0 for r in mine)
+        assert {r["drafter_id"] for r in mine} == {"random" if head == "random" else content_id(tmp_path / "h")}
+        ar = {r["prompt_index"]: r["token_ids"] for r in rows if r["method"] == "ar"}
+        assert all(r["token_ids"] == ar[r["prompt_index"]] for r in mine)
+        assert replay.main(["--from", str(out), "--model", str(model.path), "--ppsd", head, "--n", "2"]) == 0
+        res = json.loads((out / "replay" / "replay.json").read_text())["results"]
+        assert [(r["method"], r["drafter"]) for r in res] == [("ppsd", head)]
+        replayed = res[0]["pooled"]["all"]
+        assert replayed["engine_checked"] == replayed["engine_equal"] == 2
+        assert replayed["cycles"] == sum(r["cycles"] for r in mine)
+    table = pooled(rows)
+    project(table, model.config)  # the cost model's projection of a ppsd row: its head's cost on stage 0
+    text = results_markdown(table, dict(model="m", max_new_tokens=10, limit=2, backend="cpu"))
+    assert "| all | ppsd (untrained drafter) | 2 |" in text
+    assert all(t["proj"]["H200"]["speedup"] > 0 for t in table if t["method"] == "ppsd")
