@@ -202,6 +202,12 @@ SLOW = {
     "drafter's draw is what a pipeline cycle lacks",
     "test_psm_train.py::test_plain_loss_and_gradient_equal_the_fast_ones": "bench.scale's gradient check (two "
     "compiled gradients, 25 s); the forward's exactness: test_train_forward_equals_engine_draft",
+    "test_sixteen.py::test_tiny_qwen3_5_at_n16_equals_ar": "n = 16 in a process of 16 host devices (75 s); the "
+    "engine's greedy path at n = 8: test_spd.py",
+    "test_sixteen.py::test_sampling_at_n16_matches_the_target_distribution[spd]": "450 runs at n = 16 in a process "
+    "of their own (110 s); the rule at n = 2 and 4: test_spd.py's chi-square test",
+    "test_sixteen.py::test_sampling_at_n16_matches_the_target_distribution[ppsd]": "450 runs at n = 16 in a process "
+    "of their own (80 s); PPSD's draws at n = 2: test_spd.py's chi-square test",
 }
 
 
