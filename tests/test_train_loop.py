@@ -654,14 +654,16 @@ def hashlib_key(model, cfg: dict) -> str:
 
 
 def test_eagle3_config_matches_the_psm_data():
-    """configs/train/smollm2-eagle3.yaml trains on exactly the PSM's data and schedule, so equal training
-    positions mean equal data (the draft vocabulary is a choice of head, not of data)."""
+    """configs/train/smollm2-eagle3.yaml and smollm2-ppsd-n8.yaml train on exactly the PSM's data and
+    schedule, so equal training positions mean equal data (the draft vocabulary is a choice of head, not of
+    data); the PPSD head at the PSM's n."""
     same = ("model", "sources", "limit", "max_len", "buckets", "batch_size", "grad_accum", "steps", "lr", "warmup",
             "weight_decay", "clip", "tau", "seed", "heldout")
     psm = train_config.load(ROOT / "configs/train/smollm2-n8.yaml")[0].to_flat()
     e3 = train_config.load(ROOT / "configs/train/smollm2-eagle3.yaml")[0].to_flat()
-    assert e3["method"] == "eagle3" and psm["method"] == "psm"
-    assert {k: e3[k] for k in same} == {k: psm[k] for k in same}
+    pp = train_config.load(ROOT / "configs/train/smollm2-ppsd-n8.yaml")[0].to_flat()
+    assert e3["method"] == "eagle3" and psm["method"] == "psm" and pp["method"] == "ppsd" and pp["n"] == psm["n"]
+    assert {k: e3[k] for k in same} == {k: psm[k] for k in same} == {k: pp[k] for k in same}
 
 
 def test_base_holds_every_default_and_recipes_only_differences():

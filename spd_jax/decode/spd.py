@@ -18,7 +18,9 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   host's default, placement "auto", is the stage whose placement gives the shortest predicted cycle,
   busiest device + collectives, `pipeline.costs.best_psm_device`) or a device of its own (n + 1
   devices, the paper's set-up; that device holds no layers, only its shards of the heads). Either way
-  the draft starts from the states at the start of the cycle, not after that cycle's stage work. Its
+  the PSM's draft starts from the states at the start of the cycle, not after that cycle's stage work (a
+  drafter with `after_stage` set, PPSD's early-exit head, drafts after that stage's step instead, on its
+  device, from what it made: `SpdCycle.made`). Its
   head runs on every device's shard; greedy choice, sampling draws and the accept/replace decision
   come out of collectives over `stage` that move scalars (plus each shard's k best logits under a
   top-k filter), so they are identical everywhere; the draft distributions q that sampling
@@ -27,8 +29,9 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   follows from the newest position t and its depth (t - d), so nothing else travels.
 
 Drafters (`drafters.base.SpdDrafter`, a static part of the engine's config): the Pipeline Speculation
-Module (`drafters.psm.PSMDrafter`), none (`NoDrafter`: the plain pipeline, one token in flight, the
-resource-matched baseline) and oracle (`OracleDrafter`, tests only: proposes given reference tokens).
+Module (`drafters.psm.PSMDrafter`), PPSD's early-exit head (`drafters.ppsd.PPSDDrafter`), none
+(`NoDrafter`: the plain pipeline, one token in flight, the resource-matched baseline) and oracle
+(`OracleDrafter`, tests only: proposes given reference tokens).
 The engine hands a drafter the cycle's state and its own pieces (`SpdCycle`, `SpdOps`): the embedding,
 a cond onto the drafter's device, the broadcast from it, and the choice over the vocabulary shards.
 

@@ -8,9 +8,10 @@ drafter's from its kind, `DrafterKind.cost`, the one count of its draft):
 each stage's layers on one token; the embedding (stage 0); the verification head (final norm + LM
 head); the PSM's body (projections and its Ls layers over the n + 1 rows of a full pipeline, on
 `psm_device`: a stage, the last by default, or a device of its own) and its head (V rows, or the
-draft vocabulary's V'); the collectives. Two placements of the heads (`HEADS`): "sharded", what the
-engine runs (`spd_jax.decode.vocab`: every device computes 1/D of each head's rows, and the greedy
-choices come from each shard's max logit and its smallest id), and "last", both heads whole on the last
+draft vocabulary's V'), or any drafter's by its kind's cost (PPSD's head: its layers on the newest row,
+on stage 0); the collectives. Two placements of the heads (`HEADS`): "sharded", what the engine runs
+(`spd_jax.decode.vocab`: every device computes 1/D of each head's rows, and the greedy choices come
+from each shard's max logit and its smallest id), and "last", both heads whole on the last
 stage (the engine before vocabulary-parallel heads).
 
 Collectives per cycle (`collectives`), as the engine (`spd_jax.decode.spd`) runs a cycle, one after another,
@@ -144,9 +145,8 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, co
     stage_ars = tuple(sum(ars[a:b]) for a, b in plan.bounds) if model > 1 else ()
     body, psm_head, psm_shard, m, psm_ars, dv = (), None, None, 0, 0, 0
     if psm_cfg is not None:
-        # the drafter's draft, its kind's cost over its own rows (a PSM's: a full pipeline, n in-flight rows
-        # plus the block's first completed row, `profile_cycle`'s block; a PPSD head's: the newest token's);
-        # its head's shard: the head over ceil(V' / D) rows
+        # the drafter's draft, its kind's cost over its own rows (a PSM's: n in-flight rows and the block's first
+        # completed one, `profile_cycle`'s; a PPSD head's: the newest); its head's shard: ceil(V' / D) rows
         cost = functools.partial(_drafter_kinds().of_config(psm_cfg).cost, cfg, context=context,
                                  param_bytes=param_bytes, cache_bytes=cache_bytes)
         *body, psm_head = cost(psm_cfg)
