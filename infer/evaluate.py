@@ -50,7 +50,8 @@ from infer.generate import csv_of
 from spd_jax import distributed
 from spd_jax.datasets import BENCHMARKS, read_benchmark
 from spd_jax.decode import pipelined
-from spd_jax.drafters import registry
+from spd_jax.drafters import registry, store
+from spd_jax.drafters.kind import DrafterRef, Form
 from spd_jax.drafters.store import content_id
 from spd_jax.methods import METHODS
 from spd_jax.methods import get as method_named
@@ -75,12 +76,19 @@ def row_key(r: dict) -> tuple:
             r.get("drafter"), r.get("drafter_id"), r["max_new_tokens"], r["seed"])
 
 
-def drafter_ref(method: str, spec=None, drafter=None, ppsd=None):
-    """The drafter a method's rows run, as given on the command line: spd's PSM (spec), eagle3's drafter,
-    ppsd's head; None for a method without a network drafter (ar, pipeline, tp) or the shipped one."""
+def drafter_ref(method: str, n: int, spec=None, drafter=None, ppsd=None):
+    """The drafter a method's rows at depth n run, as given on the command line: spd's PSM (spec), eagle3's
+    drafter, ppsd's head (ppsd: one, or a list of heads, each trained for one n: the one for n, else None);
+    None for a method without a network drafter (ar, pipeline, tp) or the shipped one."""
     kind = method_named(method).drafter_kind
     given = {registry.PSM.name: spec, registry.EAGLE3.name: drafter, registry.PPSD.name: ppsd}
-    return None if kind is None else given[kind.name]
+    ref = None if kind is None else given[kind.name]
+    if not isinstance(ref, (list, tuple)):
+        return ref
+    at_n = [r for r in ref if DrafterRef.of(r).form is Form.RANDOM or store.read_spec(kind, r).n == n]
+    if len(at_n) > 1:
+        raise ValueError(f"{kind.label} drafters {at_n} were all given for n={n}: give one per n")
+    return at_n[0] if at_n else None
 
 
 def drafter_id(model, method: str, n: int, spec=None, drafter=None, ppsd=None) -> str | None:
@@ -90,7 +98,7 @@ def drafter_id(model, method: str, n: int, spec=None, drafter=None, ppsd=None) -
     `drafter_source`: spd's spec, or the PSM shipped for this model and n; eagle3's drafter, or the one
     shipped; ppsd's head, or the one shipped for this model and n)."""
     m = method_named(method)
-    ref = drafter_ref(method, spec, drafter, ppsd)
+    ref = drafter_ref(method, n, spec, drafter, ppsd)
     source = m.drafter_source(model, m.options(n=n, spec=ref, drafter_spec=ref))
     if source is None:
         return None
@@ -122,8 +130,8 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     in method_ns runs at its own depths instead of ns (`parse_methods`); eagle3
     once per chain length k in ks (n = 1), with the EAGLE-3 drafter `drafter` (None: the shipped one,
     else random; "random"; a checkpoint directory); spd with the PSM `spec`, ppsd with the head `ppsd` (None:
-    the one shipped for the model and n; "random"; a checkpoint directory); rows run in blocks of `block`
-    prompts (`job_order`).
+    the one shipped for the model and n; "random"; a checkpoint directory; a list of them, each used at the n
+    it was trained for); rows run in blocks of `block` prompts (`job_order`).
     `command` (the CLI's arguments) goes to out/commands.txt once every pipeline depth and drafter has been
     checked, before any row runs: a killed run's rows have their command, a command refused for its depths
     or drafters leaves no line.
@@ -175,7 +183,7 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
     with (path.open("a") if write else contextlib.nullcontext()) as f:
         for bench, i, p, method, n, k, temp in progress_bar(todo, desc="evaluate", unit="run", disable=not progress):
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
-            shape, ref = row_shape(method), drafter_ref(method, spec, drafter, ppsd)
+            shape, ref = row_shape(method), drafter_ref(method, max(n, 1), spec, drafter, ppsd)
             # each method reads its own drafter option: spd `spec`, eagle3 and ppsd `drafter_spec`
             res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
                                    drafter_spec=ref, **(dict(k=k) if shape.chain else {}), **SAMPLING[temp])
@@ -248,8 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--spec", default=None, help="PSM checkpoint (default: the one shipped for the model and n)")
     ap.add_argument("--random-psm", action="store_true", help="an untrained PSM (for testing the harness)")
-    ap.add_argument("--ppsd", default=None, help="PPSD head checkpoint for the ppsd rows, or 'random' (default: the "
-                                                 "one shipped for the model and n, else a random one)")
+    ap.add_argument("--ppsd", type=csv_of(str, "--ppsd", "runs/p4/ppsd,runs/p8/ppsd"), default=None,
+                    help="PPSD heads for the ppsd rows, comma-separated, each used at the n it was trained for, or "
+                         "'random' (default: the one shipped for the model and n, else a random one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block", type=int, default=8,
                     help="prompts per block: each method runs a block's prompts in turn, then the next method "

@@ -300,6 +300,14 @@ def test_evaluate_and_replay_take_the_ppsd_head(tiny_ckpt, tmp_path):
     bench = tmp_path / "b.jsonl"
     bench.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 9, 7 + 2 * i, 3]}) + "\n" for i in range(2)))
     benches = {str(bench): read_benchmark(str(bench))}
+    # --ppsd A,B: each head at the n it was trained for
+    spec4 = PPSDConfig.for_target(model.config, pipelined.plan_for(model, 4).counts)
+    save_ppsd(tmp_path / "h4", init_ppsd(model.config, spec4, model.params), spec4)
+    heads = [str(tmp_path / "h4"), str(tmp_path / "h")]
+    assert [evaluate.drafter_ref("ppsd", n, ppsd=heads) for n in (2, 4, 8)] == [heads[1], heads[0], None]
+    assert evaluate.drafter_ref("ppsd", 8, ppsd=["random"]) == "random"
+    with pytest.raises(ValueError, match="were all given for n=2: give one per n"):
+        evaluate.drafter_ref("ppsd", 2, ppsd=[heads[1], heads[1]])
     for head, out in ((str(tmp_path / "h"), tmp_path / "eval"), ("random", tmp_path / "eval_random")):
         rows = evaluate.evaluate(model, benches, ["ar", "ppsd"], [2], [0.0], 10, out, ppsd=head, progress=False)
         mine = [r for r in rows if r["method"] == "ppsd"]

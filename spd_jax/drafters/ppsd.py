@@ -388,7 +388,8 @@ KIND = DrafterKind(
               "trained for it",
     training=TRAINING, missing_hint="; train one with train.main (method: ppsd)", staged=True,
     teacher_drafts=drafts_by_fill,
-    why_random="an untrained PPSD head was asked for (drafter_spec=\"random\", --drafter random)")
+    why_random="an untrained PPSD head was asked for (drafter_spec=\"random\"; infer.generate --drafter random, "
+               "infer.evaluate --ppsd random)")
 
 
 def save_ppsd(path: str | Path, variables: dict, spec: PPSDConfig, extra: dict | None = None,
