@@ -11,6 +11,7 @@ from spd_jax.decode import pipelined
 from spd_jax.decode.sampling import SamplingParams
 from spd_jax.decode.spd import EngineConfig
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
+from spd_jax.drafters.ppsd import PPSDConfig, PPSDDrafter
 from spd_jax.drafters.psm import PSMConfig, PSMDrafter, init_psm
 from spd_jax.pipeline.stages import StageLayout
 
@@ -24,7 +25,8 @@ def model(tiny_ckpt):  # 4 layers, vocabulary 160, max_position_embeddings 512
 
 @pytest.mark.parametrize("method", ["spd", "pipeline"])
 def test_unknown_drafter_is_refused(model, method):
-    with pytest.raises(ValueError, match=r"unknown drafter 'eagle3' .*one of psm, none, oracle.*method=\"eagle3\""):
+    unknown = r"unknown drafter 'eagle3' .*one of psm, ppsd, none, oracle.*method=\"eagle3\""
+    with pytest.raises(ValueError, match=unknown):
         spd_jax.generate(model, [1, 2], 4, method=method, n=2, drafter="eagle3")
     with pytest.raises(ValueError, match="unknown drafter 'PSM'"):
         pipelined.generate_pipelined(model, np.array([1, 2]), 4, SamplingParams(), method=method, n=2,
@@ -32,7 +34,7 @@ def test_unknown_drafter_is_refused(model, method):
 
 
 def test_drafter_of_another_method_is_refused(model):
-    with pytest.raises(ValueError, match="drafter='oracle' is for method 'pipeline' or 'spd'; method 'ar'"):
+    with pytest.raises(ValueError, match="drafter='oracle' is for method 'pipeline' or 'spd' or 'ppsd'; method 'ar'"):
         spd_jax.generate(model, [1, 2], 4, drafter="oracle")
     with pytest.raises(ValueError, match="its drafter checkpoint is drafter_spec"):
         spd_jax.generate(model, [1, 2], 4, method="eagle3", drafter="random")
@@ -59,6 +61,13 @@ def test_engine_config_checks_its_drafter(model):
     with pytest.raises(ValueError, match=r"made for the stage plan \[2, 2\], the engine runs \[3, 1\]"):
         EngineConfig(model.config, StageLayout.of(model.config, other, psm.anchors), psm, **kw)
     EngineConfig(model.config, layout, NoDrafter(160), **kw)  # the plain pipeline reads no anchors
+    # a drafter that drafts after stage 0's step runs on stage 0's device, nowhere else
+    ppsd = PPSDDrafter(model.config, PPSDConfig.for_target(model.config, plan.counts))
+    ppsd_layout = StageLayout.of(model.config, plan, ppsd.anchors)
+    EngineConfig(model.config, ppsd_layout, ppsd, psm_device=0, **kw)
+    with pytest.raises(ValueError, match="PPSDDrafter drafts after stage 0's step, on that stage's device; "
+                                         "psm_device is 1"):
+        EngineConfig(model.config, ppsd_layout, ppsd, **kw)
 
 
 # ---- 2. a given PSM in another dtype
