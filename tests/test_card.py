@@ -307,6 +307,41 @@ def test_eagle3_card(tmp_path):
     assert "evaluation's gpu backend (one device per run)" in text
 
 
+def test_ppsd_card(tmp_path):
+    """An exported PPSD head (ppsd.json) gets its own card: its exit and plan, the quick eval's S0, only its own
+    ppsd rows at its n, a warm start from another head named as one, and its S0 in the directory's lineage."""
+    run, ev, d = tmp_path / "run", tmp_path / "eval", tmp_path / "ppsd"
+    for x in (run, ev, d / "params"):
+        x.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps(dict(
+        identity=dict(model="/x/smollm2-135m-instruct", method="ppsd"),
+        commands=["python -m train.main --config configs/train/smollm2-ppsd-n8.yaml"],
+        config=dict(sources=["sharegpt"], max_len=512, lr=3e-4, warmup=100, batch_size=8, method="ppsd",
+                    init_from="runs/p/ppsd"))))
+    rows = [dict(step=s, positions=1000 * s, loss=5.0 / s, agreement=0.1 * s) for s in range(1, 4)]
+    rows[-1] |= dict(alpha=0.2, S0=1.5)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    was = dict(path="runs/p/ppsd", method="ppsd", steps=9, positions=900, plan=[7, 7, 8, 8])
+    trained = dict(steps=3, positions=3000, wall_s=3600, backend="cpu", mesh="1x1", method="ppsd", warm_start=was)
+    (d / "ppsd.json").write_text(json.dumps(dict(kind="ppsd", format=1, num_layers=1, plan=[3, 3, 4, 4, 4, 4, 4, 4],
+                                                 target=["llama", 576, 30, 49152, 9, 3], draft_vocab=0,
+                                                 trained=trained)))
+    (d / "params" / "w").write_bytes(b"\0" * 2 ** 20)
+    res = _res("ppsd", 8, ppsd=str(d), drafter_id=content_id(d)) + _res("ar", 1, tokens=10, cycles=10)
+    res += _res("ppsd", 8, count=1, ppsd="random", drafter_id="random")  # the untrained head
+    res += _res("spd", 8, count=1, psm="/x/psm")  # another method's rows
+    _write_rows(ev, res)
+    assert card.main(["--run", str(run), "--eval", str(ev), "--drafter", str(d)]) == 0
+    text = (d / "CARD.md").read_text()
+    assert text.startswith("# PPSD early-exit head for smollm2-135m-instruct, n = 8")
+    assert "1 decoder layer(s) of the target's kind reading the state after stage 0 of the stage plan" in text
+    assert "(the exit after layer 3)" in text and "--mode ppsd --n 8 --drafter DIR" in text
+    assert "a PPSD head for n = 4 (plan [7, 7, 8, 8]), trained on 900 response positions" in text
+    assert "| 3 | 3,000 | 0.200 | 1.50 |" in text and "| gsm8k | ppsd | 8 | 0 | 2 | 20 | 0.500 | 3.75 |" in text
+    assert "| spd" not in text and "untrained" not in text
+    assert json.loads((d / "lineage.json").read_text())[0]["S0"] == 3.75
+
+
 @pytest.mark.parametrize("modules, apart", [
     ("spd_jax.reports.cards spd_jax.reports.tables spd_jax.reports.replay spd_jax.datasets", ("infer", "train", "bench")),
     ("infer.evaluate infer.replay", ("train",)),

@@ -2,6 +2,7 @@
 
     python -m train.card --run runs/smollm2-n8 --eval runs/eval-n8 --psm spd_jax/psms/smollm2-135m-instruct-n8
     python -m train.card --run runs/smollm2-eagle3 --eval runs/eval --drafter spd_jax/eagle3s/smollm2-135m-instruct
+    python -m train.card --run runs/smollm2-ppsd-n8 --eval runs/eval-ppsd --drafter runs/smollm2-ppsd-n8/ppsd
 
 Reads RUN/run.json (identity, config, the commands that trained it), RUN/metrics.jsonl (loss,
 agreement, quick-eval S0 or tokens per round against training positions), the exported drafter's
@@ -17,14 +18,15 @@ directory is gone):
 
     python -m train.card --eval runs/eval-11 --psm spd_jax/psms/smollm2-135m-instruct-n8
 
-The evaluation table holds only this drafter's rows (`spd` rows at the PSM's n whose PSM is DRAFTER, or
-`eagle3` rows whose drafter is DRAFTER: by the content the rows record, `drafter_id`, so an older drafter
-evaluated at the same path is not reported as this one; rows from before ids were recorded by their
-path), with the `ar` rows of the same setup (model, max_new_tokens, seed, backend) for reference; EVAL
-rows of more than one setup for this drafter are refused (evaluate each setup into its own --out).
+The evaluation table holds only this drafter's rows (`spd` rows at the PSM's n whose PSM is DRAFTER, `ppsd`
+rows at the head's n whose head is DRAFTER, or `eagle3` rows whose drafter is DRAFTER: by the content the
+rows record, `drafter_id`, so an older drafter evaluated at the same path is not reported as this one; rows
+from before ids were recorded by their path), with the `ar` rows of the same setup (model, max_new_tokens,
+seed, backend) for reference; EVAL rows of more than one setup for this drafter are refused (evaluate each
+setup into its own --out).
 
-The card itself is `spd_jax.reports.cards`' (one template for PSMs and EAGLE-3 drafters, from plain
-data); this CLI reads the files and hands over the run's config with the training defaults filled in.
+The card itself is `spd_jax.reports.cards`' (one template for PSMs, PPSD heads and EAGLE-3 drafters, from
+plain data); this CLI reads the files and hands over the run's config with the training defaults filled in.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", required=True, help="an infer.evaluate --out directory with this drafter's rows (only "
                                                   "they and `ar`'s of the same setup go into the card)")
     ap.add_argument("--psm", "--drafter", dest="psm", required=True,
-                    help="the exported drafter directory the card goes into (a PSM's psm/ or an EAGLE-3 drafter/)")
+                    help="the exported drafter directory the card goes into (a PSM's psm/, a PPSD head's ppsd/ or "
+                         "an EAGLE-3 drafter/)")
     ap.add_argument("--eval-command", default=None, help="the infer.evaluate commands that produced --eval "
                                                            "(default: EVAL/commands.txt, which infer.evaluate writes)")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 plain data: the run's run.json and metrics.jsonl, its config with the training defaults filled in, the
 drafter's psm.json / eagle3.json, the evaluation's results rows and the PSM directory's lineage.
 
-What differs between a PSM's card and an EAGLE-3 drafter's is the KINDS table (their wording, their
+What differs between a PSM's card, a PPSD head's and an EAGLE-3 drafter's is the KINDS table (their wording, their
 quick-eval and evaluation columns); the template, the evaluation's row selection and the merge with a
 card's hand-written sections are shared. Knows nothing of train/'s config classes (`train.card` hands
 the config over as a dict); writes only the drafter directory's CARD.md, lineage.json and lineage.png.
@@ -45,7 +45,7 @@ class CardKind:
     describe: str  # the intro up to the vocabulary
     vocab_draft: str  # ... a draft vocabulary of V' tokens
     vocab_whole: str  # ... the target's whole vocabulary (V tokens)
-    decoding: str  # said after the weights' size
+    decoding: str  # said after the weights' size (a template too)
     data_note: str  # after the data line
     warm_start: bool  # whether the card names the run's warm start
     objective: str  # the loss, before the optimiser's settings
@@ -134,6 +134,34 @@ KINDS = {
         columns=("bench", "method", "T", "prompts", "tokens", "alpha", "tok/s", "vs ar"),
         heads=("bench", "method", "T", "prompts", "tokens", "tokens per round", "tok/s here", "vs ar here"),
         where=lambda backend, n: " (one device per run); tokens per round is the device-independent figure."),
+    registry.PPSD.name: CardKind(
+        meta_file=registry.PPSD.identity_file,
+        staged=registry.PPSD.staged,
+        title="# PPSD early-exit head for {model}, n = {n}",
+        describe="PPSD's early-exit head (`spd_jax/drafters/ppsd.py`; what it is here: docs/engine.md) for the "
+                 "target named above: {meta[num_layers]} decoder layer(s) of the target's kind reading the state "
+                 "after stage 0 of the stage plan {meta[plan]} (the exit after layer {meta[plan][0]}), the target's "
+                 "final norm and LM head over ",
+        vocab_draft="a draft vocabulary of {meta[draft_vocab]} tokens",
+        vocab_whole="the target's whole vocabulary ({meta[target][3]} tokens)",
+        decoding=" Decoding: the SPD engine, the head drafting after stage 0's step (`python -m infer.generate "
+                 "--mode ppsd --n {n} --drafter DIR`).",
+        data_note=", the same batches as the PSM's at equal positions",
+        warm_start=True,
+        objective="KL(teacher || head) at tau = {c[tau]:g} (self-distillation), the engine's draft at every position",
+        last_steps="- last 10 logged steps: KL {loss:.3f}, top-1 agreement with the target {agree:.3f}",
+        quick_eval="Quick eval during training (greedy PPSD on held-out training prompts, pooled):",
+        quick_key="S0",
+        quick_heads=("step", "positions", "alpha", "S0"),
+        quick_row=lambda r: [f"{r['step']}", f"{r['positions']:,}", f"{r['alpha']:.3f}", f"{r['S0']:.2f}"],
+        no_rows_what="`ppsd` row of this head at n = {n}",
+        no_rows_how="python -m infer.evaluate --methods ar,ppsd@{n} --ppsd {drafter} --out EVAL",
+        about="alpha = committed tokens per cycle and S0 = alpha * L / (layers of the slowest stage), pooled over "
+              "prompts as sum(tokens) / sum(cycles). The evaluation's `ppsd` rows of this head at n = {n}, with "
+              "`ar`'s for reference",
+        columns=("bench", "method", "n", "T", "prompts", "tokens", "alpha", "S0", "tok/s", "vs ar"),
+        heads=("bench", "method", "n", "T", "prompts", "tokens", "alpha", "S0", "tok/s here", "vs ar here"),
+        where=_psm_where),
 }
 
 
@@ -210,8 +238,9 @@ def warm_start_line(was: dict | None, trained: dict) -> list[str]:
         return []
     if "positions" in was and "plan" in was:
         from_chain = lineage_positions(was.get("warm_start"))
-        what = (f"a PSM for n = {len(was['plan'])} (plan {was['plan']}, anchors {was['anchors']}), trained on "
-                f"{was['positions']:,} response positions of its own"
+        anchors = f", anchors {was['anchors']}" if "anchors" in was else ""
+        what = (f"a {registry.kind(was.get('method', registry.PSM.name)).noun} for n = {len(was['plan'])} (plan "
+                f"{was['plan']}{anchors}), trained on {was['positions']:,} response positions of its own"
                 + (f" after a warm start of its own ({from_chain:,} positions before it)" if from_chain else ""))
         seen = trained.get("positions")
         total = (f"; {seen + lineage_positions(was):,} response positions in all, with this run's"
@@ -256,7 +285,7 @@ def card_markdown(kind: str, run: dict, config: dict, metrics: list[dict], meta:
     lines = [
         k.title.format(**fill), "",
         k.describe.format(**fill) + vocab + f". Weights bfloat16, {size_mib:.1f} MiB; the LM head is the target's "
-        "(frozen in training, not stored)." + k.decoding,
+        "(frozen in training, not stored)." + k.decoding.format(**fill),
         "", "## Training", "",
         "Commands (in order; `--resume` continues from the last checkpoint with the same optimiser state "
         "and data position):", "", "```", *training_commands(run), "```", "",
@@ -389,7 +418,7 @@ def write_card(directory: Path, meta: dict, rows: list[dict], eval_cmd: str, dra
     if not mine:
         warn(f"{eval_name} holds no row of {directory}: the card says so")
     table, lineage = pooled(mine), None
-    point = lineage_point(table, setup, meta, run) if staged else None
+    point = lineage_point(table, setup, meta, run, DRAFTER_METHOD[kind]) if staged else None
     if point is not None:
         lineage = update_lineage(directory, point)
         if len(lineage) > 1:

@@ -27,13 +27,15 @@ def lineage_positions(warm_start: dict | None) -> int:
     return total
 
 
-def lineage_point(table: list[dict], setup: dict | None, psm: dict, run: dict | None) -> dict | None:
-    """This PSM's lineage point: its pooled greedy (T = 0) S0 over every evaluated benchmark against the
-    training positions of its whole warm-start chain (`lineage_positions`). table: `results.pooled` over
-    its rows; psm: its psm.json; run: its run.json (for the config it names) or None. None without a T = 0
-    `spd` row or a record of its training positions."""
+def lineage_point(table: list[dict], setup: dict | None, psm: dict, run: dict | None,
+                  method: str = DRAFTER_METHOD[registry.PSM.name]) -> dict | None:
+    """This PSM's (or another staged drafter's) lineage point: its pooled greedy (T = 0) S0 over every evaluated
+    benchmark against the training positions of its whole warm-start chain (`lineage_positions`). table:
+    `results.pooled` over its rows; psm: its identity json (psm.json, ppsd.json); run: its run.json (for the
+    config it names) or None; method: the method its rows run (spd, ppsd). None without a T = 0 row of it or a
+    record of its training positions."""
     trained = psm.get("trained", {})
-    spd = [t for t in table if t["method"] == DRAFTER_METHOD[registry.PSM.name] and t["temperature"] == 0]
+    spd = [t for t in table if t["method"] == method and t["temperature"] == 0]
     pooled_all = next((t for t in spd if t["bench"] == "all"), None)
     if pooled_all is None or "positions" not in trained:
         return None
