@@ -202,6 +202,22 @@ SLOW = {
     "drafter's draw is what a pipeline cycle lacks",
     "test_psm_train.py::test_plain_loss_and_gradient_equal_the_fast_ones": "bench.scale's gradient check (two "
     "compiled gradients, 25 s); the forward's exactness: test_train_forward_equals_engine_draft",
+    "test_reference_psm.py::test_spd_with_the_converted_psm_equals_ar": "SPD at n = 8 on Qwen3.5 (24 s); the "
+    "converted PSM's drafts against the oracle at every fill: test_converted_psm_equals_the_oracle",
+    "test_eagle3_standard.py::test_eagle3_decoding_with_it_equals_ar": "a chain loop's compile; the drafts against "
+    "the oracle: test_converted_drafter_equals_the_oracle",
+    **{f"test_eagle3_standard.py::test_each_component_is_checked_by_the_oracle[{m}]": "the other mutations (fc "
+       "order, hidden_norm, input_layernorm, d2t) stay in the default run" for m in (
+        "post_attention_layernorm dropped", "final norm dropped", "feature layer ids not + 1", "the target's RoPE base",
+        "[feature, embedding] concatenated", "the normed output fed back")},
+    "test_ppsd.py::test_greedy_equals_autoregressive[qwen3_5-4-stage_layers1]": "the qwen3_5 n = 2 case and the "
+    "llama ones: the after-stage hook does not depend on the plan",
+    "test_ppsd.py::test_greedy_equals_autoregressive[qwen3_5-3-stage_layers2]": "as the n = 4 case",
+    "test_ppsd.py::test_a_head_that_is_the_rest_of_the_target_drafts_every_token_right[qwen3_5-plan1]": "plan0 "
+    "checks the timing on Qwen3.5",
+    "test_ppsd.py::test_teacher_forced_drafts_replay_the_engines_run[qwen3_5-4]": "the n = 2 case",
+    "test_ppsd.py::test_checkpoints_load_for_their_target_and_plan[qwen3_5]": "the llama case: the checks do not "
+    "depend on the layer kinds",
     "test_sixteen.py::test_tiny_qwen3_5_at_n16_equals_ar": "n = 16 in a process of 16 host devices (75 s); the "
     "engine's greedy path at n = 8: test_spd.py",
     "test_sixteen.py::test_sampling_at_n16_matches_the_target_distribution[spd]": "450 runs at n = 16 in a process "
