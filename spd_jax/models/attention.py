@@ -100,6 +100,8 @@ def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     s_old = jnp.where(jax.lax.optimization_barrier(jnp.arange(S) < pos), s_old, -jnp.inf)
     s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
     p_old, p_new = softmax_blocks([s_old, s_new])
-    o = (jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v.dtype), v_cache)
-         + jnp.einsum("bkgts,bksd->btkgd", p_new.astype(v.dtype), v))
+    # The values' product keeps the cache's head-major order in its output ([B, Nkv, G, T, D]) and the small
+    # result is transposed after: asked for [B, T, ...] directly, XLA:CPU transposes the whole value cache first.
+    o = (jnp.einsum("bkgts,bksd->bkgtd", p_old.astype(v.dtype), v_cache)
+         + jnp.einsum("bkgts,bksd->bkgtd", p_new.astype(v.dtype), v)).transpose(0, 3, 1, 2, 4)
     return output_projection(lp, o.reshape(B, T, cfg.q_size), x, cfg), k, v
