@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
+from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 from spd_jax.models import decoder, schema
-from spd_jax.models.costs import head_cost, layer_costs
+from spd_jax.models.costs import layer_costs
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.costs import cycle_costs, default_plan
@@ -47,9 +47,10 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def _cost(fn, *args) -> dict:
-    """XLA's flops and bytes accessed of fn compiled for args (abstract)."""
-    ca = jax.jit(fn).lower(*args).compile().cost_analysis()
+def _cost(fn, *args, donate: tuple[int, ...] = ()) -> dict:
+    """XLA's flops and bytes accessed of fn compiled for args (abstract); `donate`: the arguments (caches) the
+    engine's loop updates in place, which a program of its own would otherwise copy whole to its output."""
+    ca = jax.jit(fn, donate_argnums=donate).lower(*args).compile().cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     return dict(flops=float(ca.get("flops", 0.0)), bytes=float(ca.get("bytes accessed", 0.0)))
 
@@ -72,15 +73,27 @@ def layer_program(cfg: ModelConfig, kind: str, context: int, dtype, rows: int = 
     return _cost(lambda lp, x, conv, ssm: decoder.linear_layer(lp, x, conv, ssm, None, cfg), lp, x, conv, ssm)
 
 
-def stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dtype) -> dict:
-    """The engine's stage program (one device's), one token."""
-    w = {kind: {k: _sds((m, *leaf.shape), dtype) for k, leaf in schema.layer_schema(cfg, kind).items()}
-         for kind, m in layout.max_per_kind}
-    cache = jax.eval_shape(lambda: jax.tree.map(lambda t: t[0], stages.init_stage_caches(
-        cfg, layout, 1, context, layout.plan.n, dtype)))
-    prog = {k: _sds((layout.slots,), jnp.int32) for k in ("kind_id", "kind_index", "anchor_id")}
-    fn = functools.partial(stages.stage_forward, cfg=cfg, layout=layout)
-    return _cost(fn, w, cache, prog, _sds((1, 1, cfg.hidden_size), dtype), _sds((), jnp.int32))
+def stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dtype, stage: int) -> dict:
+    """The engine's stage program as device `stage` runs it, one token: its slot table a constant, so each
+    slot's `lax.switch` is the branch that device takes (XLA counts a switch as its costliest branch); the
+    caches donated, as the engine's loop carries them."""
+    one = lambda t: _sds(t.shape[1:], t.dtype)  # noqa: E731  (one device's block of a [devices, ...] leaf)
+    w = jax.tree.map(one, jax.eval_shape(lambda: stages.stack_stage_weights(
+        jax.tree.map(lambda t: jnp.zeros(t.shape, dtype), _layer_stacks(cfg)), cfg, layout)))
+    cache = jax.tree.map(one, jax.eval_shape(lambda: stages.init_stage_caches(cfg, layout, 1, context,
+                                                                            layout.plan.n, dtype)))
+    prog = {k: jnp.asarray(v[stage]) for k, v in stages.program(cfg, layout).items()}
+
+    def fn(w, cache, x, pos):
+        return stages.stage_forward(w, cache, prog, x, pos, cfg, layout)
+
+    return _cost(fn, w, cache, _sds((1, 1, cfg.hidden_size), dtype), _sds((), jnp.int32), donate=(1,))
+
+
+def _layer_stacks(cfg: ModelConfig) -> dict:
+    """The model's per-kind layer stacks, abstract."""
+    return {kind: {k: _sds((cfg.layer_types.count(kind), *leaf.shape), jnp.float32)
+                   for k, leaf in schema.layer_schema(cfg, kind).items()} for kind in schema.layer_kinds(cfg)}
 
 
 def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype) -> dict:
@@ -98,22 +111,28 @@ def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype) -> dict:
 
 
 def psm_body(cfg: ModelConfig, spec: PSMConfig, context: int, dtype) -> dict:
-    """The PSM's draft over n + 1 rows (up to its head) on its cache of `context` positions."""
+    """The PSM's draft over the n + 1 rows of a full pipeline (up to its head) on its cache of `context`
+    positions, as the engine runs it: its layers one buffer each (`PSMDrafter`), the cache donated."""
+    drafter = PSMDrafter(cfg, spec)
     target = jax.eval_shape(lambda: schema.init_params(cfg, jax.random.key(0), dtype))
-    variables = jax.eval_shape(lambda t: init_psm(cfg, spec, t, 0, dtype), target)
-    cache = jax.eval_shape(lambda: decoder.init_cache(cfg, 1, context, dtype, kinds=(ATTENTION,) * spec.num_layers).kv)
+    variables = jax.eval_shape(lambda t: drafter.engine_params(init_psm(cfg, spec, t, 0, dtype)), target)
+    cache = jax.eval_shape(lambda: drafter.init((), context, dtype))
     R, i32 = spec.n + 1, jnp.int32
 
-    def fn(variables, h, cache, pc, t, completed):
-        return PSM(cfg, spec).apply(variables, h, cache, pc, t, completed, method=PSM.draft_hidden)
+    def fn(variables, cache, h, pc, t, completed):
+        return drafter.module.apply(variables, h, cache, pc, t, completed, method=PSM.draft_hidden)
 
-    return _cost(fn, variables, _sds((R, spec.m, cfg.hidden_size), dtype), cache, _sds((), i32), _sds((), i32),
-                 _sds((), i32))
+    return _cost(fn, variables, cache, _sds((R, spec.m, cfg.hidden_size), dtype), _sds((), i32), _sds((), i32),
+                 _sds((), i32), donate=(1,))
 
 
 def compare(name: str, n: int, context: int, dtype: str = "float32") -> list[dict]:
-    """Rows (part, model and XLA flops and bytes, their ratios, a note)."""
-    cfg = ModelConfig.named(name)
+    """Rows (part, model and XLA flops and bytes, their ratios, a note) for a named model."""
+    return compare_config(ModelConfig.named(name), n, context, dtype)
+
+
+def compare_config(cfg: ModelConfig, n: int, context: int, dtype: str = "float32") -> list[dict]:
+    """`compare` for any config (e.g. a published model's widths with fewer layers, for a test)."""
     pb = jnp.dtype(dtype).itemsize
     plan = default_plan(cfg, n)
     spec = PSMConfig.for_target(cfg, plan.counts, num_layers=2)
@@ -121,37 +140,32 @@ def compare(name: str, n: int, context: int, dtype: str = "float32") -> list[dic
     cc = cycle_costs(cfg, plan, spec, context, pb)
     layers = layer_costs(cfg, context, pb, pb)
     per_kind = {kind: layer_program(cfg, kind, context, dtype) for kind in schema.layer_kinds(cfg)}
-    program = stage_program(cfg, layout, context, dtype)  # one SPMD program: every stage runs it
     low = NOTES["bf16"] if pb < 4 else ""
     rows = []
 
     def row(part, model_flops, model_bytes, xla, note=""):
-        rows.append(dict(part=part, model_flops=model_flops, xla_flops=xla["flops"], flops_ratio=xla["flops"] / model_flops,
-                         model_bytes=model_bytes, xla_bytes=xla["bytes"], bytes_ratio=xla["bytes"] / model_bytes,
-                         note="; ".join(x for x in (note, low) if x)))
+        rows.append(dict(part=part, model_flops=model_flops, xla_flops=xla["flops"],
+                         flops_ratio=xla["flops"] / model_flops, model_bytes=model_bytes, xla_bytes=xla["bytes"],
+                         bytes_ratio=xla["bytes"] / model_bytes, note="; ".join(x for x in (note, low) if x)))
 
+    programs = []
     for s, (a, b) in enumerate(plan.bounds):
         mine = layers[a:b]
         fl, by = sum(c.flops for c in mine), sum(c.bytes for c in mine)
         kinds = cfg.layer_types[a:b]
         alone = {k: sum(per_kind[kind][k] for kind in kinds) for k in ("flops", "bytes")}
         row(f"stage {s} ({kinds.count(LINEAR)} linear, {kinds.count(ATTENTION)} attention): its layers", fl, by, alone)
-        row(f"stage {s}: the engine's stage program", fl, by, program, NOTES["stage"])
+        programs.append(stage_program(cfg, layout, context, dtype, s))
+        row(f"stage {s}: the engine's stage program", fl, by, programs[-1])
     verify = head_shard(cfg, cfg.vocab_size, cc.devices, dtype)
     sliced = cfg.vocab_size % cc.devices != 0
     row("verify head shard", cc.head_shard.flops, cc.head_shard.bytes, verify, NOTES["head"] if sliced else "")
-    # the PSM's Ls layers run in a lax.scan, whose body XLA counts once: the other Ls - 1 added from one layer's
-    # program over the same rows (its weights' slot copied out of the stack, as in a stage program)
-    raw = psm_body(cfg, spec, context, dtype)
-    layer = layer_program(cfg, ATTENTION, context, dtype, rows=spec.n + 1)
-    body = {k: raw[k] + (spec.num_layers - 1) * layer[k] for k in raw}
-    row(f"psm body ({spec.n + 1} rows)", sum(c.flops for c in cc.psm_body), sum(c.bytes for c in cc.psm_body), body,
-        f"XLA counts the {spec.num_layers} layers' scan body once: + {spec.num_layers - 1} x one layer's program; "
-        + NOTES["stage"].split(";")[0])
+    body = psm_body(cfg, spec, context, dtype)
+    row(f"psm body ({spec.n + 1} rows)", sum(c.flops for c in cc.psm_body), sum(c.bytes for c in cc.psm_body), body)
     psm_head = head_shard(cfg, spec.draft_vocab or cfg.vocab_size, cc.devices, dtype)
     row("psm head shard", cc.psm_head_shard.flops, cc.psm_head_shard.bytes, psm_head,
         NOTES["head"] if (spec.draft_vocab or cfg.vocab_size) % cc.devices else "")
-    cyc = {k: program[k] * n + body[k] + (verify[k] + psm_head[k]) * cc.devices for k in ("flops", "bytes")}
+    cyc = {k: sum(p[k] for p in programs) + body[k] + (verify[k] + psm_head[k]) * cc.devices for k in ("flops", "bytes")}
     heads = [cc.head_shard, cc.psm_head_shard]
     row("cycle (all devices)", sum(c.flops for st in cc.stages for c in st) + sum(c.flops for c in cc.psm_body)
         + cc.devices * sum(c.flops for c in heads), sum(c.bytes for st in cc.stages for c in st)

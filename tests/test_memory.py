@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import spd_jax
-from spd_jax.config import ModelConfig
+from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.convert.random import write_random_checkpoint
 from spd_jax.decode import pipelined
 from spd_jax.methods import tp_runtime
@@ -42,8 +42,8 @@ def test_spd_bytes_per_device_equal_the_placed_arrays(ckpt, n, placement):
                                    own_device=placement == "own")
     for d in stage_mesh(layout.devices).devices.flat:  # every device: the same shapes
         got = memory.DeviceBytes(on_device(placed.stage_w, d), on_device(placed.shared, d),
-                                 on_device(placed.dparams, d, skip=placed.shared), on_device(placed.caches.kv, d),
-                                 on_device(placed.caches.linear, d), on_device(placed.dstate, d))
+                                 on_device(placed.dparams, d, skip=placed.shared), on_device(placed.caches.get(ATTENTION, ()), d),
+                                 on_device(placed.caches.get(LINEAR, ()), d), on_device(placed.dstate, d))
         assert got == want, d
 
 

@@ -105,14 +105,14 @@ def test_stage_rules_put_each_stage_on_its_own_device(tiny_ckpt, model_type):
     layout = key[1]  # the cached stacks are keyed by their StageLayout
     ids = stages.stage_layer_ids(cfg, layout)
     kind_pos = {kind: np.cumsum([t == kind for t in cfg.layer_types]) - 1 for kind in ids}
-    for kind, leaves in stage_w.items():
-        for name, arr in leaves.items():
-            full = np.asarray(whole.params["layers"][kind][name])
-            for shard in arr.addressable_shards:
-                s = shard.index[0].start
-                assert shard.data.shape[0] == 1 and shard.device == stage_mesh(n).devices[s]
-                for j, layer in enumerate(ids[kind][s]):
-                    got = np.asarray(shard.data[0, j])
+    for kind, per_position in stage_w.items():  # one buffer [n, ...] per position j in a stage's layers of the kind
+        for j, leaves in enumerate(per_position):
+            for name, arr in leaves.items():
+                full = np.asarray(whole.params["layers"][kind][name])
+                for shard in arr.addressable_shards:
+                    s = shard.index[0].start
+                    assert shard.data.shape[0] == 1 and shard.device == stage_mesh(n).devices[s]
+                    got, layer = np.asarray(shard.data[0]), ids[kind][s, j]
                     if layer < 0:
                         assert not got.any()
                     else:

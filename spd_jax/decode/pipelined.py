@@ -127,17 +127,18 @@ def _network_draft(kind, make, method: str):
     """The EngineDraft maker of a drafter kind with a network: make(cfg, config) -> its `SpdDrafter`."""
     def draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
         d_cfg, variables, label = registry.resolve(kind, model, spec, plan, psm_layers, method=method)
+        drafter = make(model.config, d_cfg)
 
         def place(prompt_len, cache_len, layout, shared, rep):
             if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
-                return put(variables, rep)
+                return put(drafter.engine_params(variables), rep)
             key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
             if key not in model.runtime:
-                model.runtime[key] = place_psm(variables, d_cfg, shared, model.config, rep)
+                model.runtime[key] = place_psm(drafter.engine_params(variables), d_cfg, shared, model.config, rep)
                 registry.keep_placed(model, variables, model.runtime[key])
             return model.runtime[key]
 
-        return EngineDraft(make(model.config, d_cfg), place, d_cfg, label, kind.name)
+        return EngineDraft(drafter, place, d_cfg, label, kind.name)
 
     return draft
 
@@ -179,7 +180,7 @@ class Placed(NamedTuple):
     """Everything the engine's program reads, on the stage mesh: per-stage stacks (leading axis the devices,
     split over `stage`) and replicated values."""
 
-    stage_w: dict  # {kind: [devices, max layers of that kind in a stage, ...]}
+    stage_w: dict  # {kind: ({leaf: [devices, ...]} per position in a stage's layers of that kind)}
     prog: dict  # the stages' slot tables [devices, J]
     shared: dict  # embedding, final norm, LM head: replicated
     dparams: Any  # the drafter's weights (`EngineDraft.place`)

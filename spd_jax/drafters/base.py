@@ -102,6 +102,10 @@ class SpdDrafter(Protocol):
     def init(self, params: Any, cache_len: int, dtype) -> Any:
         """-> a fresh per-sequence state for positions [0, cache_len) (one copy per device)."""
 
+    def engine_params(self, variables: Any) -> Any:
+        """A drafter with a network: its variables in the layout its calls here read (e.g. its layers one
+        buffer each), made once when the engine places them."""
+
     def spd_prefill(self, params: Any, state: Any, anchor_states: jax.Array, ops: SpdOps) -> Any:
         """The prompt's positions, all verified: anchor_states [m, P_pad, H] (rows past the prompt are
         padding). -> state."""

@@ -47,8 +47,9 @@ from spd_jax.drafters import store
 from spd_jax.drafters.base import anchor_states, join_params, teacher_forward
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_queries
-from spd_jax.drafters.shared import (DraftHead, check_target, logical_axes, module_params, random_variables,
-                                     sharded_head, target_signature)
+from spd_jax.drafters.shared import (DraftHead, attention_layers, check_target, init_layer_caches, logical_axes,
+                                     module_params, random_variables, run_attention_layers, sharded_head,
+                                     split_layers, target_signature)
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, init_kv_cache
 from spd_jax.models.costs import head_cost, kind_cost
@@ -111,21 +112,17 @@ class EarlyExit(DraftHead, nn.Module):
 
     cfg: ModelConfig  # the target's
     spec: PPSDConfig
+    per_layer: bool = False  # its layers one buffer each (`drafters.shared.split_layers`): the SPD engine's
 
     def setup(self):
         logical = nn.with_logical_partitioning
-        self.layers = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), ("layers", *leaf.axes)),
-                                     (self.spec.num_layers, *leaf.shape))
-                       for k, leaf in schema.layer_schema(self.cfg, ATTENTION).items()}
+        self.layers = attention_layers(self, self.cfg, self.spec.num_layers, self.per_layer)
         self.setup_head(logical)
 
     def forward(self, h: jax.Array, cache: KVCache, pos: jax.Array) -> tuple[jax.Array, KVCache]:
         """h [B, T, H] exit states at positions [pos, pos + T) over the head's cache (positions < pos) ->
         (hidden [B, T, H] before the final norm, cache with the rows written)."""
-        kinds = (ATTENTION,) * self.spec.num_layers
-        x, c, _ = decoder.run_layers({ATTENTION: self.layers}, h.astype(self.lm_head.dtype), decoder.Cache(cache, None),
-                                     pos, self.cfg, kinds)
-        return x, c.kv
+        return run_attention_layers(self.layers, h.astype(self.lm_head.dtype), cache, pos, self.cfg)
 
     def train_hidden(self, h: jax.Array) -> jax.Array:
         """The training forward: h [B, T, H] teacher-forced exit states of positions 0..T-1 -> [B, T, H], entry
@@ -171,10 +168,13 @@ class PPSDDrafter:
 
     @property
     def module(self) -> EarlyExit:
-        return EarlyExit(self.cfg, self.spec)
+        return EarlyExit(self.cfg, self.spec, per_layer=True)
+
+    def engine_params(self, variables: dict) -> dict:
+        return split_layers(variables)
 
     def init(self, params, cache_len: int, dtype):
-        return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
+        return init_layer_caches(self.cfg, self.spec.num_layers, cache_len, dtype, per_layer=True)
 
     def spd_prefill(self, params, state, anchor_states, ops):
         """The prompt's exit states (anchor_states [m, P_pad, H]) into the cache at [0, P_pad)."""

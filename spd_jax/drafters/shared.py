@@ -1,8 +1,9 @@
 """What every drafter with a network takes from its target, in one place: the target's signature (what a
 checkpoint records of the architecture it belongs to), the frozen LM head copied from the target's (its
 rows of a draft vocabulary), the draft vocabulary's ids, the head's module half (`DraftHead`), and the
-seeded random variables and logical axes of a drafter's Flax module. No checkpoint I/O (`store`), no
-drafter-specific layout (each drafter's own module)."""
+seeded random variables and logical axes of a drafter's Flax module, and its full-attention layers in the
+two layouts (`attention_layers`). No checkpoint I/O (`store`), no drafter-specific layout (each drafter's
+own module)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ModelConfig
-from spd_jax.models import decoder
+from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.models import decoder, schema
+from spd_jax.models.attention import KVCache, init_kv_cache
+from spd_jax.models.layers import rope_cos_sin
 
 SIGNATURE_FIELDS = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
 
@@ -155,3 +158,60 @@ def logical_axes(init_boxed: InitBoxed, cfg: ModelConfig, spec) -> dict:
     boxed = jax.eval_shape(lambda: init_boxed(cfg, spec, 0))
     return jax.tree.map(lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else (None,) * len(x.shape),
                         boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+# ---------------------------------------------------------------- a drafter's full-attention layers
+#
+# Stacked ({leaf: [Ls, ...]}): the checkpoints', training's and the converters' layout. Per layer ({leaf:
+# (Ls arrays [...])}, `split_layers`): the SPD engine's, as the AR loop and the stages keep theirs, for XLA
+# copies a layer's slice out of a stack before its matmuls (1.9x the PSM body's bytes on the CPU) and reads
+# a buffer of its own in place. A module built with per_layer declares the same params in that form.
+
+
+def attention_layers(module: nn.Module, cfg: ModelConfig, num_layers: int, per_layer: bool) -> dict:
+    """Declare (from a module's setup) a drafter's Ls full-attention layers of cfg's kind as params
+    `layer_<leaf>`: stacked [Ls, ...] with logical axes, or per_layer a tuple of Ls [...] buffers."""
+    out = {}
+    for k, leaf in schema.layer_schema(cfg, ATTENTION).items():
+        init = schema.initializer(leaf, cfg)
+        if per_layer:  # only applied, never initialised: the engine splits a stacked checkpoint's
+            out[k] = module.param(f"layer_{k}", lambda key, shape, init=init: tuple(
+                init(key, shape) for _ in range(num_layers)), leaf.shape)
+        else:
+            out[k] = module.param(f"layer_{k}", nn.with_logical_partitioning(init, ("layers", *leaf.axes)),
+                                  (num_layers, *leaf.shape))
+    return out
+
+
+def split_layers(variables: dict) -> dict:
+    """A drafter's variables with stacked layers -> the per-layer layout (each `layer_<leaf>` [Ls, ...] a
+    tuple of Ls buffers, copied once). Already split: unchanged."""
+    params = variables["params"]
+    return {**variables, "params": {k: (tuple(v[i] for i in range(v.shape[0]))
+                                         if k.startswith("layer_") and not isinstance(v, tuple) else v)
+                                    for k, v in params.items()}}
+
+
+def init_layer_caches(cfg: ModelConfig, num_layers: int, cache_len: int, dtype, per_layer: bool):
+    """A drafter's KV cache of one sequence: KVCache k/v [Ls, 1, Nkv, S, D], or per_layer a tuple of Ls
+    KVCache [1, Nkv, S, D]."""
+    if not per_layer:
+        return init_kv_cache(cfg, num_layers, 1, cache_len, dtype)
+    return tuple(jax.tree.map(lambda t: t[0], init_kv_cache(cfg, 1, 1, cache_len, dtype)) for _ in range(num_layers))
+
+
+def run_attention_layers(layers: dict, x: jax.Array, cache, pos: jax.Array, cfg: ModelConfig,
+                         length: jax.Array | None = None):
+    """x [B, T, H] at positions [pos, pos+T) through the layers over their cache -> (x, cache with the rows
+    written), in either layout (the cache's matches the layers')."""
+    if isinstance(cache, KVCache):  # stacked: one scan
+        kinds = (ATTENTION,) * cache.k.shape[0]
+        x, c, _ = decoder.run_layers({ATTENTION: layers}, x, decoder.Cache(cache, None), pos, cfg, kinds,
+                                     length=length)
+        return x, c.kv
+    cos, sin = rope_cos_sin(cfg, pos + jnp.arange(x.shape[1]))
+    out = []
+    for i, c in enumerate(cache):
+        x, c = decoder.attention_block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
+        out.append(c)
+    return x, tuple(out)

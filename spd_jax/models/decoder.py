@@ -303,11 +303,25 @@ def _live_blocks_attention(qg: jax.Array, kv: KVCache, s_new: jax.Array, v_new: 
     return o.astype(v_new.dtype)
 
 
-def _linear_step(lp: Params, x: jax.Array, lin: LinearState, pos: jax.Array,
-                 cfg: ModelConfig) -> tuple[jax.Array, LinearState]:
+def attention_block(lp: Params, x: jax.Array, kv: KVCache, pos: jax.Array, cos: jax.Array, sin: jax.Array,
+                    cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """`attention_layer` on one layer's own buffers (weights without a layer axis, kv k/v [B, Nkv, S, D]):
+    x [B, T, H] at positions [pos, pos+T) -> (x, kv with the T keys and values written in place). A stage
+    or a drafter running its layers one buffer each reads every weight and cache entry once."""
+    x, k_new, v_new = attention_layer(lp, x, kv.k, kv.v, pos, cos, sin, cfg)
+    return x, KVCache(jax.lax.dynamic_update_slice(kv.k, _after(k_new, x), (0, 0, pos, 0)),
+                      jax.lax.dynamic_update_slice(kv.v, _after(v_new, x), (0, 0, pos, 0)))
+
+
+def linear_block(lp: Params, x: jax.Array, lin: LinearState, pos: jax.Array, cfg: ModelConfig,
+                 length: jax.Array | None = None) -> tuple[jax.Array, LinearState]:
+    """`linear_layer` on one layer's own buffers (lin: a one-layer ring, conv [1, R, B, K-1, C]): x [B, T, H]
+    at [pos, pos+T), `length` of them real (default T) -> (x, lin with the state after the last real token
+    in its slot)."""
     conv_prev, s_prev = read_slot(lin, pos)
-    x, conv_new, s_new = linear_layer(lp, x, conv_prev[0], s_prev[0], None, cfg)
-    return x, write_slot(lin, _after(conv_new, x)[None], _after(s_new, x)[None], pos)
+    x, conv_new, s_new = linear_layer(lp, x, conv_prev[0], s_prev[0], length, cfg)
+    last = pos + (x.shape[1] if length is None else length) - 1
+    return x, write_slot(lin, _after(conv_new, x)[None], _after(s_new, x)[None], last)
 
 
 def decode_step(layers: list[Params], params: Params, token: jax.Array, caches: list, pos: jax.Array,
@@ -332,6 +346,6 @@ def decode_step(layers: list[Params], params: Params, token: jax.Array, caches: 
         if kind == ATTENTION:
             x, c = _attention_step(lp, x, c, pos, cos, sin, cfg, start, attn_block)
         else:
-            x, c = _linear_step(lp, x, c, pos, cfg)
+            x, c = linear_block(lp, x, c, pos, cfg)
         out.append(c)
     return lm_logits(params, x, cfg), out

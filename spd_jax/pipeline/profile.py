@@ -25,10 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spd_jax.models import decoder
-from spd_jax.models.attention import init_kv_cache
 from spd_jax.pipeline import stages
-from spd_jax.sharding import STAGE, stage_mesh, vary
-from spd_jax.drafters.psm import PSM, PSMConfig, init_psm
+from spd_jax.sharding import STAGE, stage_mesh
+from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 
 
 def _median_ms(fn, *args, iters: int) -> float:
@@ -58,9 +57,11 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     stage_ms = [_median_ms(one_stage, *(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)), x,
                            iters=iters) for s in range(n)]
 
-    psm_vars = init_psm(cfg, psm_cfg, model.params, dtype=model.dtype)
-    module = PSM(cfg, psm_cfg)
-    pcache = init_kv_cache(cfg, psm_cfg.num_layers, 1, context + 64, model.dtype)
+    # the PSM as the engine runs it (`PSMDrafter`: its layers and cache one buffer each)
+    drafter = PSMDrafter(cfg, psm_cfg)
+    psm_vars = drafter.engine_params(init_psm(cfg, psm_cfg, model.params, dtype=model.dtype))
+    module = drafter.module
+    pcache = drafter.init((), context + 64, model.dtype)
     h = jnp.zeros((n + 1, psm_cfg.m, cfg.hidden_size), model.dtype)
 
     @jax.jit

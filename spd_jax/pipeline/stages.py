@@ -1,16 +1,20 @@
 """Per-stage weights, caches and the stage step: what one device of the `stage` mesh axis runs.
 
 Every stage runs the same program (SPMD) over J = max layers per stage "slots". A small per-stage
-table says, for each slot, which layer kind it is (or none: a padded, identity slot for stages with
-fewer layers), where that layer sits in the stage's stack of that kind, and which SPD anchor (if any)
-its output is. So uneven splits and Qwen3.5's mixed layer kinds need no special program: each device
-indexes its own weights, and `lax.switch` picks the kind at run time.
+table says, for each slot, which of the slot's options this device runs (a layer kind and its place in
+the stage's layers of that kind, or none: a padded, identity slot for stages with fewer layers) and which
+SPD anchor (if any) its output is. So uneven splits and Qwen3.5's mixed layer kinds need no special
+program: a slot every device runs alike is a plain call, one whose devices differ a `lax.switch` over its
+options (`slot_options`, static).
 
-Layout (leading axis n = stages, sharded over `stage`; with the PSM on a device of its own, n + 1 rows,
-the last one a device without layers: every slot empty, zero-size work):
-    weights  {kind: [n, max layers of that kind in a stage, ...]}   (zero padded)
-    caches   Cache(kv [n, max_attn, B, Nkv, S, D], linear ring [n, max_linear, R, ...])
-    program  kind_id / kind_index / anchor_id [n, J] int32
+Layout: one buffer per layer position, as the AR loop keeps them (`decoder.decode_layers`). XLA copies a
+layer's slice out of a stacked weight before its matmuls (read, write, read again: 3.3x the bytes of the
+layers on the CPU); a buffer of its own is read once, in place. Leading axis n = stages, sharded over
+`stage` (with the PSM on a device of its own, n + 1 rows, the last one a device without layers):
+    weights  {kind: (one {leaf: [n, ...]} per position i in a stage's layers of that kind)}  (zero padded)
+    caches   {kind: (one per position i)}: KVCache k/v [n, B, Nkv, S, D]; a one-layer LinearState ring
+             conv [n, 1, R, B, K-1, C], ssm [n, 1, R, B, Hv, Dk, Dv]
+    program  branch / anchor_id [n, J] int32
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ import numpy as np
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.models import decoder, schema
-from spd_jax.models.attention import KVCache
-from spd_jax.models.deltanet import LinearState
+from spd_jax.models.attention import init_kv_cache
+from spd_jax.models.deltanet import init_linear_state
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline.partition import StagePlan
 
-KINDS = (ATTENTION, LINEAR)  # kind_id 0, 1; 2 = empty slot
+KINDS = (ATTENTION, LINEAR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,23 +67,45 @@ class StageLayout:
         return dict(self.max_per_kind).get(kind, 0)
 
 
-def program(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
-    """Per-stage slot tables [n, J]: kind_id (0 attention, 1 linear, 2 empty), kind_index (position
-    in the stage's stack of that kind) and anchor_id (a if the slot's output is h_{b_a}, else -1)."""
-    n, J = layout.devices, layout.slots
-    kind_id = np.full((n, J), len(KINDS), np.int32)
-    kind_index = np.zeros((n, J), np.int32)
-    anchor_id = np.full((n, J), -1, np.int32)
-    for s, (a, b) in enumerate(layout.plan.bounds):
+def slot_options(cfg: ModelConfig, layout: StageLayout) -> tuple[tuple[tuple[str, int] | None, ...], ...]:
+    """Per slot j, what the devices run there, in device order of first use: (kind, i), the i-th layer of
+    that kind in the device's stage, or None (an empty slot). Static: the stage program's branches."""
+    opts = [[] for _ in range(layout.slots)]
+    for a, b in layout.plan.bounds + ((0, 0),) * (layout.devices - layout.plan.n):
         seen = {k: 0 for k in KINDS}
-        for j, layer in enumerate(range(a, b)):
-            kind = cfg.layer_types[layer]
-            kind_id[s, j] = KINDS.index(kind)
-            kind_index[s, j] = seen[kind]
-            seen[kind] += 1
-            if layer + 1 in layout.anchors:  # h_{layer+1} is the output of this layer
-                anchor_id[s, j] = layout.anchors.index(layer + 1)
-    return dict(kind_id=kind_id, kind_index=kind_index, anchor_id=anchor_id)
+        for j in range(layout.slots):
+            if j < b - a:
+                kind = cfg.layer_types[a + j]
+                o = (kind, seen[kind])
+                seen[kind] += 1
+            else:
+                o = None
+            if o not in opts[j]:
+                opts[j].append(o)
+    return tuple(tuple(o) for o in opts)
+
+
+def program(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
+    """Per-device slot tables [n, J]: branch (which of `slot_options`' options the device runs at slot j) and
+    anchor_id (a if the slot's output is h_{b_a}, else -1)."""
+    n, J = layout.devices, layout.slots
+    options = slot_options(cfg, layout)
+    branch = np.zeros((n, J), np.int32)
+    anchor_id = np.full((n, J), -1, np.int32)
+    for s in range(n):
+        a, b = layout.plan.bounds[s] if s < layout.plan.n else (0, 0)
+        seen = {k: 0 for k in KINDS}
+        for j in range(J):
+            o = None
+            if j < b - a:
+                layer = a + j
+                kind = cfg.layer_types[layer]
+                o = (kind, seen[kind])
+                seen[kind] += 1
+                if layer + 1 in layout.anchors:  # h_{layer+1} is the output of this layer
+                    anchor_id[s, j] = layout.anchors.index(layer + 1)
+            branch[s, j] = options[j].index(o)
+    return dict(branch=branch, anchor_id=anchor_id)
 
 
 def stage_layer_ids(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
@@ -96,49 +122,59 @@ def stage_layer_ids(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarr
 
 
 def stage_weight_axes(cfg: ModelConfig, layout: StageLayout) -> dict:
-    """Logical axes of the stage stacks: ("stage", "layers", *the leaf's axes)."""
-    return {kind: {k: ("stage", "layers", *leaf.axes) for k, leaf in schema.layer_schema(cfg, kind).items()}
-            for kind, _ in layout.max_per_kind}
+    """Logical axes of the stage weights: ("stage", *the leaf's axes), per kind and position."""
+    return {kind: tuple({k: ("stage", *leaf.axes) for k, leaf in schema.layer_schema(cfg, kind).items()}
+                        for _ in range(m)) for kind, m in layout.max_per_kind}
 
 
 def stack_stage_weights(layers: dict, cfg: ModelConfig, layout: StageLayout) -> dict:
-    """Model-order per-kind stacks -> {kind: [n, max_k, ...]} with each stage's layers, zero padded."""
+    """Model-order per-kind stacks -> the stage weights: {kind: ({leaf: [n, ...]} per position)}, each stage's
+    layers, zero padded."""
     out = {}
     for kind, ids in stage_layer_ids(cfg, layout).items():
         # model layer index -> index in the per-kind stack
         pos = np.cumsum([k == kind for k in cfg.layer_types]) - 1
-        idx = jnp.asarray(np.where(ids >= 0, pos[np.maximum(ids, 0)], 0))
-        keep = jnp.asarray(ids >= 0)
-        out[kind] = jax.tree.map(
-            lambda t: jnp.where(keep.reshape(*keep.shape, *(1,) * (t.ndim - 1)), t[idx], jnp.zeros((), t.dtype)),
-            layers[kind])
+        per = []
+        for i in range(ids.shape[1]):
+            idx = jnp.asarray(np.where(ids[:, i] >= 0, pos[np.maximum(ids[:, i], 0)], 0))
+            keep = jnp.asarray(ids[:, i] >= 0)
+            per.append(jax.tree.map(lambda t: jnp.where(keep.reshape(-1, *(1,) * (t.ndim - 1)), t[idx],
+                                                        jnp.zeros((), t.dtype)), layers[kind]))
+        out[kind] = tuple(per)
     return out
 
 
 def load_stage_weights(reader, cfg: ModelConfig, layout: StageLayout, placement, dtype) -> dict:
-    """The stage stacks read straight from a checkpoint (`convert.hf.CheckpointReader`), each placed
+    """The stage weights read straight from a checkpoint (`convert.hf.CheckpointReader`), each placed
     with its sharding under `placement` (stage rules): device s reads and holds only stage s's layers."""
     ids = stage_layer_ids(cfg, layout)
     shardings = placement.shardings(stage_weight_axes(cfg, layout))
     np_dtype = jnp.dtype(dtype)
-    return {kind: {k: jax.make_array_from_callback(
-        (*ids[kind].shape, *leaf.shape), shardings[kind][k],
-        lambda ix, kind=kind, k=k: reader.read_stack(kind, k, ids[kind], ix, np_dtype))
-        for k, leaf in schema.layer_schema(cfg, kind).items()} for kind in ids}
+    return {kind: tuple({k: jax.make_array_from_callback(
+        (ids[kind].shape[0], *leaf.shape), shardings[kind][i][k],
+        lambda ix, kind=kind, k=k, i=i: reader.read_stack(kind, k, ids[kind][:, i], ix, np_dtype))
+        for k, leaf in schema.layer_schema(cfg, kind).items()} for i in range(ids[kind].shape[1]))
+        for kind in ids}
 
 
 def init_stage_caches(cfg: ModelConfig, layout: StageLayout, batch: int, max_len: int, ring: int,
-                      dtype) -> decoder.Cache:
-    """Caches of every stage, leading axis n (layout.devices)."""
+                      dtype) -> dict:
+    """Caches of every stage, leading axis n (layout.devices): {kind: (one per position)}."""
     n = layout.devices
-    kinds = tuple(k for k, m in layout.max_per_kind for _ in range(m))
-    one = decoder.init_cache(cfg, batch, max_len, dtype, ring=ring, kinds=kinds)
-    return jax.tree.map(lambda t: jnp.broadcast_to(t, (n, *t.shape)), one)
+
+    def one(kind):
+        if kind == ATTENTION:
+            return jax.tree.map(lambda t: t[0], init_kv_cache(cfg, 1, batch, max_len, dtype))
+        return init_linear_state(cfg, 1, batch, ring, dtype)
+
+    return {kind: tuple(jax.tree.map(lambda t: jnp.broadcast_to(t, (n, *t.shape)), one(kind)) for _ in range(m))
+            for kind, m in layout.max_per_kind}
 
 
-def stage_forward(weights: dict, cache: decoder.Cache, prog: dict, x: jax.Array, pos: jax.Array,
+def stage_forward(weights: dict, cache: dict, prog: dict, x: jax.Array, pos: jax.Array,
                   cfg: ModelConfig, layout: StageLayout, length: jax.Array | None = None):
-    """Run this device's stage on x [B, T, H] at positions [pos, pos+T).
+    """Run this device's stage on x [B, T, H] at positions [pos, pos+T) (`length` of them real: a padded
+    prompt; default T).
 
     weights/cache/prog: this stage's (no leading n axis). Returns (x, cache, anchors [m, B, T, H]) where
     anchors[a] is h_{b_a} if this stage produced it (zeros otherwise; anchor 0, the embedding, never).
@@ -148,37 +184,34 @@ def stage_forward(weights: dict, cache: decoder.Cache, prog: dict, x: jax.Array,
     cos, sin = rope_cos_sin(cfg, pos + jnp.arange(T))
     anchors = jnp.zeros((m, B, T, x.shape[-1]), x.dtype)
 
-    def attn_branch(idx, x, cache):
-        lp = jax.tree.map(lambda t: t[idx], weights[ATTENTION])
-        kv = cache.kv
-        x, k_new, v_new = decoder.attention_layer(lp, x, kv.k[idx], kv.v[idx], pos, cos, sin, cfg)
-        kv = KVCache(jax.lax.dynamic_update_slice(kv.k, k_new[None], (idx, 0, 0, pos, 0)),
-                     jax.lax.dynamic_update_slice(kv.v, v_new[None], (idx, 0, 0, pos, 0)))
-        return x, decoder.Cache(kv, cache.linear)
+    def run(option, x, c):
+        """One option of a slot on its own buffers: (x, its cache) -> (x, its cache)."""
+        if option is None:
+            return x, c
+        kind, i = option
+        if kind == ATTENTION:
+            return decoder.attention_block(weights[kind][i], x, c, pos, cos, sin, cfg)
+        return decoder.linear_block(weights[kind][i], x, c, pos, cfg, length)
 
-    def linear_branch(idx, x, cache):
-        lp = jax.tree.map(lambda t: t[idx], weights[LINEAR])
-        lin = cache.linear
-        R = lin.depth
-        slot_in = (pos - 1) % R
-        fresh = pos == 0
-        conv_prev = jnp.where(fresh, 0, lin.conv[idx, slot_in]).astype(lin.conv.dtype)
-        s_prev = jnp.where(fresh, 0.0, lin.ssm[idx, slot_in])
-        x, conv_new, s_new = decoder.linear_layer(lp, x, conv_prev, s_prev, length, cfg)
-        slot_out = (pos + (T if length is None else length) - 1) % R
-        lin = LinearState(
-            jax.lax.dynamic_update_slice(lin.conv, conv_new[None, None].astype(lin.conv.dtype),
-                                         (idx, slot_out, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(lin.ssm, s_new[None, None], (idx, slot_out, 0, 0, 0, 0)))
-        return x, decoder.Cache(cache.kv, lin)
+    for j, options in enumerate(slot_options(cfg, layout)):
+        held = [o for o in options if o is not None]  # the caches this slot's options touch
+        mine = tuple(cache[k][i] for k, i in held)
+        if len(options) == 1:
+            x, mine = run(options[0], x, mine[0] if mine else None)
+            mine = (mine,) if held else ()
+        else:
+            def branch(o):
+                def fn(x, mine):
+                    if o is None:
+                        return x, mine
+                    at = held.index(o)
+                    x, c = run(o, x, mine[at])
+                    return x, (*mine[:at], c, *mine[at + 1:])
+                return fn
 
-    def empty(idx, x, cache):
-        return x, cache
-
-    branches = [attn_branch if k == ATTENTION else linear_branch for k in KINDS]
-    branches = [b if layout.count(k) else empty for b, k in zip(branches, KINDS)] + [empty]
-    for j in range(layout.slots):
-        x, cache = jax.lax.switch(prog["kind_id"][j], branches, prog["kind_index"][j], x, cache)
+            x, mine = jax.lax.switch(prog["branch"][j], [branch(o) for o in options], x, mine)
+        cache = {k: tuple(mine[held.index((k, i))] if (k, i) in held else c for i, c in enumerate(cs))
+                 for k, cs in cache.items()}
         hit = jnp.arange(m) == prog["anchor_id"][j]
         anchors = jnp.where(hit[:, None, None, None], x[None], anchors)
     return x, cache, anchors

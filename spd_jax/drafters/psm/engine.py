@@ -9,8 +9,7 @@ import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
 from spd_jax.drafters.psm.model import PSM, PSMConfig
-from spd_jax.drafters.shared import module_params, sharded_head
-from spd_jax.models.attention import init_kv_cache
+from spd_jax.drafters.shared import init_layer_caches, module_params, sharded_head, split_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +18,7 @@ class PSMDrafter:
     completed rows; each cycle it recomputes the block of rows from the first uncached position to the
     newest token (completed rows of the deepest type, in-flight rows typed by their depth) on the
     drafter's device (`spd_draft`), and its head runs on every device's shard (`spd_head`). params:
-    `init_psm` / `load_psm`'s variables."""
+    `init_psm` / `load_psm`'s variables as `engine_params` lays them out (its layers one buffer each)."""
 
     cfg: ModelConfig  # the target's
     spec: PSMConfig
@@ -39,10 +38,13 @@ class PSMDrafter:
 
     @property
     def module(self) -> PSM:
-        return PSM(self.cfg, self.spec)
+        return PSM(self.cfg, self.spec, per_layer=True)
+
+    def engine_params(self, variables: dict) -> dict:
+        return split_layers(variables)
 
     def init(self, params, cache_len: int, dtype):
-        return init_kv_cache(self.cfg, self.spec.num_layers, 1, cache_len, dtype)
+        return init_layer_caches(self.cfg, self.spec.num_layers, cache_len, dtype, per_layer=True)
 
     def _module_params(self, params: dict) -> dict:
         return module_params(params, self.cfg, self.spec.draft_vocab)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, ModelConfig
-from spd_jax.drafters.shared import DraftHead, target_signature
+from spd_jax.drafters.shared import DraftHead, attention_layers, run_attention_layers, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, group_queries, output_projection, project_qkv, softmax_blocks
 from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
@@ -137,6 +137,7 @@ def _layer_schema(cfg: ModelConfig, spec: PSMConfig) -> dict:
 class PSM(DraftHead, nn.Module):
     cfg: ModelConfig  # the target's
     spec: PSMConfig
+    per_layer: bool = False  # its layers one buffer each (`drafters.shared.split_layers`): the SPD engine's
 
     def setup(self):
         H, Ls = self.cfg.hidden_size, self.spec.num_layers
@@ -153,9 +154,7 @@ class PSM(DraftHead, nn.Module):
                 return jnp.full(shape, 1.0 - self.cfg.norm_offset, dtype)
 
             self.anchor_gain = self.param("anchor_gain", logical(identity, (None, "embed")), (self.spec.m, H))
-        self.layers = {k: self.param(f"layer_{k}", logical(schema.initializer(leaf, self.cfg), ("layers", *leaf.axes)),
-                                     (Ls, *leaf.shape))
-                       for k, leaf in _layer_schema(self.cfg, self.spec).items()}
+        self.layers = attention_layers(self, layer_config(self.cfg, self.spec), Ls, self.per_layer)
         self.setup_head(logical)
 
     def norm_anchors(self, h: jax.Array) -> jax.Array:
@@ -180,11 +179,8 @@ class PSM(DraftHead, nn.Module):
 
     def forward(self, rows: jax.Array, cache: KVCache, pos: jax.Array, length: jax.Array | None = None):
         """rows [B, T, H] at positions [pos, pos+T) over the PSM's own cache -> (hidden [B, T, H], cache)."""
-        kinds = (ATTENTION,) * self.spec.num_layers
-        x, c, _ = decoder.run_layers({ATTENTION: self.layers}, rows.astype(self.lm_head.dtype),
-                                     decoder.Cache(cache, None), pos, layer_config(self.cfg, self.spec), kinds,
-                                     length=length)
-        return x, c.kv
+        return run_attention_layers(self.layers, rows.astype(self.lm_head.dtype), cache, pos,
+                                    layer_config(self.cfg, self.spec), length)
 
     def head_logits(self, x: jax.Array, final_norm: jax.Array, start: jax.Array | int = 0,
                     rows: int | None = None) -> jax.Array:
