@@ -178,17 +178,19 @@ def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
 
 
 def check_tp(cfg, tp) -> None:
-    """Refuse a tensor-parallel width that is not a positive integer or that splits nothing of a layer. A
-    width dividing some axes but not others (SmolLM2's 9 query heads at tp = 2, its MLP columns split) splits
-    those it divides and replicates the rest, as method "tp" does (`sharding.logical_spec`)."""
+    """Refuse a tensor-parallel width that is not a positive integer or that divides none of a layer's head
+    counts and not its MLP width (the stage's devices would each hold and run all of it). A width dividing
+    some of them (SmolLM2's MLP columns at tp = 2, not its 9 query heads) splits those and replicates the
+    rest, as method "tp" does (`sharding.logical_spec`)."""
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp (tensor-parallel devices per stage) must be a positive integer, got {tp!r}")
     units = schema.axis_units(cfg)
-    split = [a for a in ("q_heads", "kv_heads", "mlp", "v_heads", "conv") if a in units and units[a] % tp == 0]
-    if tp > 1 and "q_heads" not in split and "v_heads" not in split:
-        raise ValueError(f"tp={tp} divides none of the model's head counts ({cfg.num_heads} query heads"
-                         + (f", {cfg.linear.num_v_heads} Gated DeltaNet value heads" if cfg.linear else "")
-                         + "): each stage's devices would hold every head; pick a tp that divides them")
+    if tp > 1 and all(units[a] % tp for a in ("q_heads", "kv_heads", "mlp", "v_heads") if a in units):
+        raise ValueError(f"tp={tp} divides none of the model's head counts ({cfg.num_heads} query, "
+                         f"{cfg.num_kv_heads} key/value" + (f", {cfg.linear.num_v_heads} Gated DeltaNet value"
+                                                            if cfg.linear else "")
+                         + f" heads) nor its MLP width ({cfg.intermediate_size}): each of a stage's devices would "
+                         "hold and run the whole stage; pick a tp that divides them")
 
 
 def stage_units(cfg, tp: int) -> dict[str, int]:
