@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "speculative decoding on one device with the EAGLE-3-style drafter")
     ap.add_argument("--n", type=int, default=8, help="devices: pipeline stages (spd, pipeline) or the tensor-parallel "
                                                      "width (tp)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="devices per pipeline stage (spd, ppsd, pipeline): each stage tensor-parallel over them, "
+                         "n x tp devices in all (heads and MLP columns split as --mode tp splits them)")
     ap.add_argument("--stages", type=csv_of(int, "--stages", "4,4,3,4"), default=None,
                     help="explicit per-stage layer counts, e.g. 4,4,3,4 (default: uniform or cost-balanced)")
     psm = ap.add_mutually_exclusive_group()
@@ -151,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.launch(args.processes, "infer.generate", distributed.worker_argv(argv), args.local_devices)
     spec = "random" if args.random_psm else args.spec
     try:
+        if args.tp != 1 and not method.staged:
+            raise ValueError(f"--tp is for the pipelined modes ({', '.join(m.name for m in METHODS.values() if m.staged)})"
+                             f"; --mode {args.mode} takes none (its devices, if several, are --n)")
         opts = method.options(n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
-                              psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter)
+                              psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter, tp=args.tp)
         # On a CPU-only host the devices are host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.
         cluster = distributed.setup(args, method.devices(opts))
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
                                    stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
                                    n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
-                                   psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter)
+                                   psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter,
+                                   tp=args.tp)
             out_text = model.decode(res.token_ids)
             if not leader:
                 continue

@@ -213,7 +213,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
              stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
              spec=None, psm_layers: int = 2, drafter: str | None = None,
              oracle_tokens: Sequence[int] | None = None, psm_placement="auto",
-             k: int = 3, drafter_spec=None) -> GenerateResult:
+             k: int = 3, drafter_spec=None, tp: int = 1) -> GenerateResult:
     """Generate a continuation of one prompt with the method named `method` (`spd_jax.methods.METHODS`).
 
     prompt_ids: the prompt's token ids (text: `model.encode(text)` first). max_len: the context limit,
@@ -228,7 +228,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     at this n, else a random one; "random": an untrained PSM; (PSMConfig, variables)), psm_layers (Ls of
     a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests; EAGLE-3
     is method="eagle3", not a drafter), psm_placement (where the PSM body runs: "auto", the stage the
-    cost model finds fastest; "last"; a stage index; or "own", a device of its own, n + 1 devices in all).
+    cost model finds fastest; "last"; a stage index; or "own", a device of its own, n + 1 devices in all),
+    tp (each stage tensor-parallel over tp devices: a `stage x model` mesh of n * tp devices; its heads and MLP
+    columns split as method "tp" splits them, refused when tp divides none of the head counts).
     "ppsd": the pipelined engine with PPSD's early-exit head (`drafters.ppsd`) drafting after stage 0's step;
     drafter_spec: the head, in the forms spec takes (None: the one shipped for a default model at this n and
     stage plan, else a random one; "random").
@@ -241,8 +243,13 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128,
     sp = SamplingParams(temperature, top_k, top_p, seed)
     prompt = _request(model, prompt_ids, max_new_tokens, max_len)
     m.check(drafter, stream)
+    if tp != 1 and not m.staged:  # else silently one device, or method "tp"'s n devices
+        raise ValueError(f"tp={tp} (tensor-parallel stages) is for the pipelined methods "
+                         + ", ".join(repr(x.name) for x in methods.METHODS.values() if x.staged)
+                         + f"; method {method!r} takes none (its devices, if several, are n)")
     opts = m.options(n=n, stage_layers=stage_layers, spec=spec, psm_layers=psm_layers, drafter=drafter,
-                     oracle_tokens=oracle_tokens, psm_placement=psm_placement, k=k, drafter_spec=drafter_spec)
+                     oracle_tokens=oracle_tokens, psm_placement=psm_placement, k=k, drafter_spec=drafter_spec,
+                     tp=tp)
     req = methods.Request(prompt, int(max_new_tokens), sp, stop_at_eos, stream)
     return GenerateResult(*m.run(model, req, opts))
 

@@ -28,7 +28,8 @@ from spd_jax.drafters import registry
 from spd_jax.drafters.eagle3 import Eagle3Drafter, drafter_params
 from spd_jax.drafters.kind import DrafterKind
 from spd_jax.models import decoder, schema
-from spd_jax.sharding import STAGE_RULES, TP_RULES, Placement, Rules, model_mesh, put, stage_mesh
+from spd_jax.sharding import (STAGE_RULES, STAGE_TP_RULES, TP_RULES, Placement, Rules, model_mesh, put,
+                              stage_mesh, stage_model_mesh)
 
 
 class Request(NamedTuple):
@@ -255,6 +256,11 @@ class PipelineOptions:
     psm_layers: int = 2  # Ls of a random PSM
     oracle_tokens: Sequence[int] | None = None  # the oracle drafter's reference continuation (tests)
     psm_placement: Any = "auto"  # where the PSM body runs: "auto", "last", "own" or a stage index
+    tp: int = 1  # devices per stage, the stage tensor-parallel over them: n * tp devices in all
+
+    def __post_init__(self):
+        if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
+            raise ValueError(f"tp (tensor-parallel devices per stage) must be a positive integer, got {self.tp!r}")
 
 
 class Pipeline(Method):
@@ -269,11 +275,15 @@ class Pipeline(Method):
     default_drafter: ClassVar[str] = "none"
 
     def devices(self, opts) -> int:
-        return opts.n + bool(self.drafter_kind is not None and opts.psm_placement == "own")
+        return (opts.n + bool(self.drafter_kind is not None and opts.psm_placement == "own")) * opts.tp
 
     def load_placement(self, opts, processes: bool):
         # in a multi-process job each process reads only its own stages' layers
-        return (stage_mesh(self.devices(opts)), STAGE_RULES) if processes else None
+        if not processes:
+            return None
+        stages = self.devices(opts) // opts.tp
+        return (stage_mesh(stages), STAGE_RULES) if opts.tp == 1 else (stage_model_mesh(stages, opts.tp),
+                                                                        STAGE_TP_RULES)
 
     def drafter_source(self, model, opts):
         if self.drafter_kind is None:
@@ -290,7 +300,7 @@ class Pipeline(Method):
                                   psm_layers=opts.psm_layers,
                                   drafter=opts.drafter or self.default_drafter, oracle_tokens=opts.oracle_tokens,
                                   stop_at_eos=req.stop_at_eos, psm_placement=opts.psm_placement,
-                                  compiled=self.compiled)
+                                  compiled=self.compiled, tp=int(opts.tp))
 
     def steps(self, stats: dict) -> int:
         return stats["cycles"]
@@ -327,7 +337,7 @@ class PPSD(Pipeline):
     random_drafter_on_request = True
 
     def devices(self, opts) -> int:
-        return opts.n  # the head runs on stage 0's device
+        return opts.n * opts.tp  # the head runs on stage 0's devices
 
     def drafter_ref(self, opts):
         return opts.drafter_spec

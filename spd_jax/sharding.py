@@ -37,6 +37,10 @@ STAGE_RULES: Rules = (("stage", STAGE), ("vocab", STAGE))
 # contracting over the split heads.
 TP_RULES: Rules = (("q_heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL), ("conv", MODEL),
                    ("v_heads", MODEL))
+# Pipeline stages, each tensor-parallel over `model` (a `stage x model` mesh): the stage stacks split over both
+# (layers by stage, heads and MLP columns by model, as TP_RULES split them); the embedding and heads keep their
+# vocabulary rows split over `stage` only (the engine's vocabulary-parallel heads are collectives over `stage`).
+STAGE_TP_RULES: Rules = STAGE_RULES + tuple(r for r in TP_RULES if r[0] != "vocab")
 # Data parallel: the batch split, weights replicated.
 DP_RULES: Rules = (("batch", DATA),)
 # PSM training on a `data x model` mesh: batches split over `data`, the frozen target split over

@@ -27,7 +27,8 @@ from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import costs, stages
 from spd_jax.pipeline.partition import StagePlan, plan_stages
-from spd_jax.sharding import STAGE_RULES, Placement, logical_spec, put, stage_mesh
+from spd_jax.sharding import (MODEL, STAGE_RULES, STAGE_TP_RULES, Placement, logical_spec, put, stage_mesh,
+                              stage_model_mesh)
 
 _compiled = CompileCache()
 
@@ -176,6 +177,42 @@ def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
                        ar.CACHE_BUCKET)
 
 
+def check_tp(cfg, tp) -> None:
+    """Refuse a tensor-parallel width that is not a positive integer or that divides none of a layer's head
+    counts and not its MLP width (the stage's devices would each hold and run all of it). A width dividing
+    some of them (SmolLM2's MLP columns at tp = 2, not its 9 query heads) splits those and replicates the
+    rest, as method "tp" does (`sharding.logical_spec`)."""
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(f"tp (tensor-parallel devices per stage) must be a positive integer, got {tp!r}")
+    units = schema.axis_units(cfg)
+    if tp > 1 and all(units[a] % tp for a in ("q_heads", "kv_heads", "mlp", "v_heads") if a in units):
+        raise ValueError(f"tp={tp} divides none of the model's head counts ({cfg.num_heads} query, "
+                         f"{cfg.num_kv_heads} key/value" + (f", {cfg.linear.num_v_heads} Gated DeltaNet value"
+                                                            if cfg.linear else "")
+                         + f" heads) nor its MLP width ({cfg.intermediate_size}): each of a stage's devices would "
+                         "hold and run the whole stage; pick a tp that divides them")
+
+
+def stage_units(cfg, tp: int) -> dict[str, int]:
+    """`schema.axis_units` for the engine's placement at tp devices per stage. A Gated DeltaNet mixer splits
+    over `model` only when tp divides both its key heads (the q|k|v conv channels are grouped by them) and its
+    value heads; else its value heads stay whole too (units 1: no split). Value heads split under a whole conv
+    make XLA slice the conv's output across devices with collective-permutes inside the stage's `lax.cond`
+    branch, which only the stages with a token in flight run: on the CPU those permutes wait for all devices
+    of the mesh and the program deadlocks."""
+    units = dict(schema.axis_units(cfg))
+    if tp > 1 and "conv" in units and (units["conv"] % tp or units["v_heads"] % tp):
+        units["conv"] = units["v_heads"] = 1
+    return units
+
+
+def engine_mesh(cfg, devices: int, tp: int = 1):
+    """The engine's mesh: `devices` along `stage` (tp = 1), or `devices x tp` along (`stage`, `model`), each
+    stage tensor-parallel over tp devices (refused when the devices present are fewer, or tp splits no heads)."""
+    check_tp(cfg, tp)
+    return stage_mesh(devices) if tp == 1 else stage_model_mesh(devices, int(tp))
+
+
 class Placed(NamedTuple):
     """Everything the engine's program reads, on the stage mesh: per-stage stacks (leading axis the devices,
     split over `stage`) and replicated values."""
@@ -200,12 +237,14 @@ def _new_state(*, cfg, layout: stages.StageLayout, cache_len: int, dtype, drafte
 def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, prompt_len: int,
                  cache_len: int) -> Placed:
     """Place what the engine reads for one call. The stage weights, programs and shared weights are kept in
-    model.runtime per layout (one placement at a time); the caches and the drafter's state are new, each
-    device making only its own block (nothing of the whole [devices, ...] stack is built in one place)."""
+    model.runtime per layout and mesh (one placement at a time); the caches and the drafter's state are new,
+    each device making only its own block (nothing of the whole [devices, ...] stack is built in one place).
+    mesh: `stage`, or `stage x model` (`engine_mesh`): there the stage weights are also split over `model`."""
     cfg = model.config
-    placement = Placement(mesh, STAGE_RULES, tuple(schema.axis_units(cfg).items()))
+    tp = dict(mesh.shape).get(MODEL, 1)
+    placement = Placement(mesh, STAGE_RULES if tp == 1 else STAGE_TP_RULES, tuple(stage_units(cfg, tp).items()))
     rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
-    key = ("stage_weights", layout)
+    key = ("stage_weights", layout, tp)
     if key not in model.runtime:
         # one placement at a time: stage weights are a copy of the layers (and a placed PSM may share
         # the placed head, `place_psm`)
@@ -230,17 +269,19 @@ def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, pr
 def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
                        n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str = "psm",
                        oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
-                       psm_placement="auto", compiled: CompileCache | None = None):
+                       psm_placement="auto", compiled: CompileCache | None = None, tp: int = 1):
     """One prompt through the n-stage pipeline with the engine drafter named `drafter` (`DRAFTERS`);
-    method names the run in the stats. compiled: the caller's compile cache (default this module's)."""
+    method names the run in the stats. compiled: the caller's compile cache (default this module's).
+    tp: devices per stage, each stage tensor-parallel over them (a `stage x model` mesh, `engine_mesh`)."""
     cfg = model.config
+    check_tp(cfg, tp)
     plan = plan_for(model, n, stage_layers)
     check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
     draft = DRAFTERS[drafter](model, plan, spec, psm_layers, oracle_tokens)
     psm_device = drafter_device(model, plan, draft, psm_placement)
     # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
     layout = stages.StageLayout.of(cfg, plan, draft.drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
-    mesh = stage_mesh(layout.devices)
+    mesh = engine_mesh(cfg, layout.devices, tp)
 
     P_ = int(prompt.size)
     p_pad = ar.round_up(P_, ar.PROMPT_BUCKET)
@@ -262,7 +303,8 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
                       vocab_rows=not shared["embed"].sharding.is_fully_replicated)
     # where the shared weights and the drafter's live: split by rows or replicated (a drafter's own head)
     placed = (arg_specs(shared), arg_specs(dparams))
-    ckey = (ec, eos.shape, str(model.dtype), tuple(d.id for d in mesh.devices.flat), tuple(jax.tree.leaves(placed)))
+    ckey = (ec, eos.shape, str(model.dtype), mesh.devices.shape, tuple(d.id for d in mesh.devices.flat),
+            tuple(jax.tree.leaves(placed)))
     events = cache_events()
     exe, compile_s = (_compiled if compiled is None else compiled).get(ckey, lambda: build(ec, mesh, placed).lower(*args))
     compile_from = compile_source(events, compile_s)
@@ -285,7 +327,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
         accepted=int(accepted), rejected=int(rejected),
         wall_s=wall, tokens_per_s=N / wall, compile_s=compile_s, compile_from=compile_from,
         stopped_at_eos=bool(tokens and tokens[-1] in set(eos.tolist())),
-        backend=jax.default_backend(), devices=layout.devices, processes=jax.process_count(),
+        backend=jax.default_backend(), devices=layout.devices * tp, tp=tp, processes=jax.process_count(),
         psm_device=psm_device if draft.spec is not None else None,
         timing_includes=("prefill and the whole on-device decode loop: every stage's compute, the per-cycle "
                          "inter-stage transfers and all-reduces, the device-to-host copy of the result"

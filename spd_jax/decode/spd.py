@@ -135,14 +135,20 @@ def build(ec: EngineConfig, mesh, placed: tuple | None = None):
     """-> jitted fn(stage_w, prog, shared, drafter_params, caches, drafter_state, prompt, prompt_len,
     max_new, eos_ids, sp) -> (seq [S], n_commit, cycles, accepted, rejected, seq_per_stage [devices, S],
     caches, drafter_state). Caches and the drafter's state ([devices, ...], one copy per device) are
-    donated. placed: the PartitionSpecs of `shared` and `drafter_params` as placed (`arg_specs`: the
+    donated. mesh: `stage`, or `stage x model` (each stage tensor-parallel). placed: the PartitionSpecs
+    of `shared` and `drafter_params` as placed (`arg_specs`: the
     embedding and heads split by vocabulary rows where `ec.vocab_rows`, a drafter's head with them or
     replicated); default replicated. Per-stage stacks are split, the rest replicated."""
     # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
+    # On a `stage x model` mesh the body is manual over `stage` only: `model` stays automatic inside it, so
+    # each stage's layers run on their weights as placed (split by heads and MLP columns, `STAGE_TP_RULES`)
+    # and XLA's partitioner adds the all-reduces over `model` within the stage (the engine's own
+    # collectives are over `stage`, between the stages' groups of devices).
+    manual = {"axis_names": frozenset({STAGE})} if len(mesh.axis_names) > 1 else {}
     smap = jax.shard_map(
-        body, mesh=mesh,
+        body, mesh=mesh, **manual,
         in_specs=(st, st, *(placed or (rep, rep)), st, st, rep, rep, rep, rep, rep),
         out_specs=(rep, rep, rep, rep, rep, st, st, st),
         # Varying-ness is checked: replicated values (the sequence, the bookkeeping, the decision) come
