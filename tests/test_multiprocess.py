@@ -70,6 +70,22 @@ def test_four_processes_and_tensor_parallel(tiny_ckpt):
     assert row["token_ids"] == spd_jax.generate(model, PROMPT, 16, method="ar", stop_at_eos=False).token_ids
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_tensor_parallel_stages_over_two_processes(kind, tiny_ckpt):
+    """A 2 x 2 (stage, model) mesh over two processes of two host devices each: each stage's layers split over
+    `model` (its all-reduces inside a process), the stages' hand-over and the engine's collectives across the two
+    processes; the tokens equal `ar`'s and the one-process 2 x 2 engine's."""
+    ckpt = tiny_ckpt(kind, False, num_hidden_layers=4)[0]
+    row = _generate(["--model", str(ckpt), "--n", "2", "--tp", "2", "--processes", "2", "--random-psm", "--no-eos",
+                     "--max-new-tokens", "16", "--prompt-ids", ",".join(map(str, PROMPT))])
+    model = spd_jax.load_model(ckpt)
+    ref = spd_jax.generate(model, PROMPT, 16, method="spd", n=2, tp=2, spec="random", stop_at_eos=False)
+    assert row["token_ids"] == ref.token_ids == spd_jax.generate(model, PROMPT, 16, method="ar",
+                                                                 stop_at_eos=False).token_ids
+    assert row["stats"]["devices"] == 4 and row["stats"]["tp"] == 2 and row["stats"]["processes"] == 2
+    assert row["stats"]["cycles"] == ref.stats["cycles"]
+
+
 @pytest.mark.real_model
 def test_training_over_two_processes_gives_the_single_process_losses(smollm2, tmp_path):
     """Data parallel 2x1: one process with two host devices vs two processes with one each."""
