@@ -159,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
                              f"; --mode {args.mode} takes none (its devices, if several, are --n)")
         opts = method.options(n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
                               psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter, tp=args.tp)
+        routed = distributed.processes_for_size(args, args.model, method.devices(opts)) if method.multi_process else None
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if routed:
+        print(f"infer.generate: {routed} host devices in one process deadlock XLA:CPU at this model's size (from "
+              f"{distributed.ONE_PROCESS_MAX_PARAMS / 1e9:.1f} B parameters): running {routed} processes of one "
+              f"device each instead (--processes {routed}; docs/scale.md)", file=sys.stderr, flush=True)
+        return distributed.launch(routed, "infer.generate", distributed.worker_argv(argv), args.local_devices)
+    try:
         # On a CPU-only host the devices are host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.
         cluster = distributed.setup(args, method.devices(opts))

@@ -168,6 +168,53 @@ def setup(args: argparse.Namespace, needed_devices: int) -> Cluster | None:
     return cluster
 
 
+# One process of several host devices deadlocks XLA:CPU from about this size: its thunk executor resumes a
+# device's program on an intra-op pool worker, an in-process collective then blocks that worker in its
+# rendezvous, and a device whose work is still queued never runs (docs/scale.md). SmolLM2-135M never has (n up
+# to 16); Qwen3.5-0.8B did at n = 2 in 3 of 5 runs, with or without the parallel-task pass.
+ONE_PROCESS_MAX_PARAMS = 400_000_000
+
+
+def _accelerator_present() -> bool:
+    """Whether JAX may start on a GPU or TPU here, known without starting a backend: JAX_PLATFORMS names one,
+    or an accelerator plugin (jax_cuda*, libtpu) is installed."""
+    import importlib.metadata
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    return bool(list(importlib.metadata.entry_points(group="jax_plugins"))) or importlib.util.find_spec("libtpu") is not None
+
+
+def model_params(model_ref) -> int | None:
+    """The parameter count of a checkpoint directory's config.json; None for anything else (the packaged default
+    models, converted on first use, are small)."""
+    from pathlib import Path
+
+    from spd_jax.config import ModelConfig
+    from spd_jax.models import schema
+
+    path = Path(str(model_ref)).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    cfg = ModelConfig.from_json(path)
+    return (sum(schema.param_count(schema.layer_schema(cfg, k)) for k in cfg.layer_types)
+            + schema.param_count(schema.global_schema(cfg)))
+
+
+def processes_for_size(args: argparse.Namespace, model_ref, devices: int) -> int | None:
+    """A CLI about to run `devices` host devices in one process (no --processes, no job), on a host without an
+    accelerator, for a model of at least ONE_PROCESS_MAX_PARAMS -> the processes to run instead (one device each);
+    else None."""
+    if devices <= 1 or args.processes is not None or args.coordinator is not None or ENV_PROCESS_ID in os.environ:
+        return None
+    if _accelerator_present():
+        return None
+    params = model_params(model_ref)
+    return devices if params is not None and params >= ONE_PROCESS_MAX_PARAMS else None
+
+
 def launching(args: argparse.Namespace) -> bool:
     """True in the parent of a `--processes P` run (P > 1), which only launches; False in its workers."""
     return bool(args.processes and args.processes > 1 and ENV_PROCESS_ID not in os.environ

@@ -128,3 +128,27 @@ def test_default_model_tp_streams_ar_text(smollm2):
     assert "tok/s" in p.stderr and "on 2 device(s)" in p.stderr
     text = smollm2.decode(spd_jax.generate(smollm2, smollm2.encode("What is 2 + 2?"), 24).token_ids)
     assert text.strip() and p.stdout.strip() == text.strip()
+
+
+def test_a_model_too_large_for_one_process_of_host_devices_is_run_as_processes(tmp_path, monkeypatch):
+    """On a CPU host, several host devices of one process deadlock XLA:CPU from about 0.4 B parameters: the CLI
+    asks for one process per device instead (tests/test_scale.py runs it at Qwen3.5-0.8B)."""
+    import argparse
+    import json as _json
+
+    from spd_jax import distributed
+    from spd_jax.config import named_hf_dict
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+    for name, want in (("qwen3.5-0.8b", 4), ("smollm2-135m-instruct", None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(_json.dumps(named_hf_dict(name)))
+        args = argparse.Namespace(processes=None, coordinator=None)
+        assert distributed.processes_for_size(args, d, 4) == want, name
+    big = tmp_path / "qwen3.5-0.8b"
+    assert distributed.processes_for_size(argparse.Namespace(processes=2, coordinator=None), big, 4) is None
+    assert distributed.processes_for_size(argparse.Namespace(processes=None, coordinator=None), big, 1) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert distributed.processes_for_size(argparse.Namespace(processes=None, coordinator=None), big, 4) is None

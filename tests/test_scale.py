@@ -1,10 +1,13 @@
 """Checks at a model's published size, from abstract shapes (no weight is made): the cost model's FLOPs and
 bytes per part of an SPD cycle of Qwen3.5-4B at n = 8 against XLA's own `cost_analysis()` of the compiled
-programs (`bench.xla_costs`, about a minute of compiling); and `bench.scale` end to end on a tiny config (about
-two minutes). Marked `scale`: not in the default run; CI runs them as a step of its own. The full run at 4B is
+programs (`bench.xla_costs`, about a minute of compiling); `bench.scale` end to end on a tiny config (about
+two minutes); and `infer.generate --n 2` at Qwen3.5-0.8B's size, where one process of host devices deadlocks
+XLA:CPU and the CLI runs processes instead (about two minutes). Marked `scale`: not in the default run; CI runs them as a step of its own. The full run at 4B is
 `python -m bench.scale --config qwen3.5-4b --n 8` (docs/scale.md)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -39,3 +42,22 @@ def test_bench_scale_end_to_end_on_a_small_config():
     from bench import scale
 
     assert scale.main(["--config", "tiny-qwen3_5", "--n", "2", "--prompt", "40", "--train-seq", "64"]) == 0
+
+
+def test_the_cli_runs_a_model_that_deadlocks_one_process_as_processes(tmp_path):
+    """`infer.generate --n 2` at Qwen3.5-0.8B's size (a random 1.5 GB checkpoint) on this CPU: two host devices of
+    one process deadlocked XLA:CPU there (3 of 5 runs, docs/scale.md), so the CLI runs two processes of one
+    device each itself and says so; bounded by a timeout, as a hang would be."""
+    import subprocess
+    import sys
+
+    from spd_jax.convert.random import write_random_checkpoint
+
+    ckpt = write_random_checkpoint("qwen3.5-0.8b", tmp_path / "ckpt")
+    r = subprocess.run([sys.executable, "-m", "infer.generate", "--model", str(ckpt), "--dtype", "bfloat16", "--n", "2",
+                        "--random-psm", "--prompt-ids", "1,5,9,3,17,2", "--max-new-tokens", "8", "--no-eos", "--json"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "running 2 processes of one device each instead (--processes 2" in r.stderr
+    row = json.loads(r.stdout.splitlines()[-1])
+    assert len(row["token_ids"]) == 8 and row["stats"]["processes"] == 2 and row["stats"]["devices"] == 2
