@@ -42,7 +42,7 @@ class StageLayout:
     plan: StagePlan
     max_per_kind: tuple[tuple[str, int], ...]  # (kind, max layers of that kind in one stage)
     anchors: tuple[int, ...]
-    devices: int  # rows of every stage stack: plan.n, or plan.n + 1 with the PSM on a device of its own
+    devices: int  # rows of every stage buffer: plan.n, or plan.n + 1 with the PSM on a device of its own
 
     @classmethod
     def of(cls, cfg: ModelConfig, plan: StagePlan, anchors: tuple[int, ...],
@@ -67,49 +67,48 @@ class StageLayout:
         return dict(self.max_per_kind).get(kind, 0)
 
 
-def slot_options(cfg: ModelConfig, layout: StageLayout) -> tuple[tuple[tuple[str, int] | None, ...], ...]:
-    """Per slot j, what the devices run there, in device order of first use: (kind, i), the i-th layer of
-    that kind in the device's stage, or None (an empty slot). Static: the stage program's branches."""
-    opts = [[] for _ in range(layout.slots)]
-    for a, b in layout.plan.bounds + ((0, 0),) * (layout.devices - layout.plan.n):
+def _device_options(cfg: ModelConfig, layout: StageLayout) -> list[list[tuple[str, int] | None]]:
+    """[devices][J]: what each device runs at slot j: (kind, i), the i-th layer of that kind in its stage, or
+    None (an empty slot; every slot of a device of its own for the PSM)."""
+    out = []
+    for s in range(layout.devices):
+        a, b = layout.plan.bounds[s] if s < layout.plan.n else (0, 0)
         seen = {k: 0 for k in KINDS}
+        row = []
         for j in range(layout.slots):
             if j < b - a:
                 kind = cfg.layer_types[a + j]
-                o = (kind, seen[kind])
+                row.append((kind, seen[kind]))
                 seen[kind] += 1
             else:
-                o = None
-            if o not in opts[j]:
-                opts[j].append(o)
-    return tuple(tuple(o) for o in opts)
+                row.append(None)
+        out.append(row)
+    return out
+
+
+def slot_options(cfg: ModelConfig, layout: StageLayout) -> tuple[tuple[tuple[str, int] | None, ...], ...]:
+    """Per slot j, what the devices run there, in device order of first use: (kind, i) or None (an empty slot).
+    Static: the stage program's branches."""
+    per_device = _device_options(cfg, layout)
+    return tuple(tuple(dict.fromkeys(row[j] for row in per_device)) for j in range(layout.slots))
 
 
 def program(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
     """Per-device slot tables [n, J]: branch (which of `slot_options`' options the device runs at slot j) and
     anchor_id (a if the slot's output is h_{b_a}, else -1)."""
-    n, J = layout.devices, layout.slots
     options = slot_options(cfg, layout)
-    branch = np.zeros((n, J), np.int32)
-    anchor_id = np.full((n, J), -1, np.int32)
-    for s in range(n):
-        a, b = layout.plan.bounds[s] if s < layout.plan.n else (0, 0)
-        seen = {k: 0 for k in KINDS}
-        for j in range(J):
-            o = None
-            if j < b - a:
-                layer = a + j
-                kind = cfg.layer_types[layer]
-                o = (kind, seen[kind])
-                seen[kind] += 1
-                if layer + 1 in layout.anchors:  # h_{layer+1} is the output of this layer
-                    anchor_id[s, j] = layout.anchors.index(layer + 1)
-            branch[s, j] = options[j].index(o)
-    return dict(branch=branch, anchor_id=anchor_id)
+    per_device = _device_options(cfg, layout)
+    branch = np.asarray([[options[j].index(o) for j, o in enumerate(row)] for row in per_device], np.int32)
+    anchor_id = np.full(branch.shape, -1, np.int32)
+    for s, (a, b) in enumerate(layout.plan.bounds):
+        for j, layer in enumerate(range(a, b)):
+            if layer + 1 in layout.anchors:  # h_{layer+1} is the output of this layer
+                anchor_id[s, j] = layout.anchors.index(layer + 1)
+    return dict(branch=branch, anchor_id=anchor_id.reshape(layout.devices, layout.slots))
 
 
 def stage_layer_ids(cfg: ModelConfig, layout: StageLayout) -> dict[str, np.ndarray]:
-    """{kind: [n, max_k] int32}: the model layer held in each stage's slot of that kind's stack, -1 for
+    """{kind: [n, max_k] int32}: the model layer each stage holds at position i of its layers of that kind, -1 for
     a zero-padded slot. The one statement of which device holds which layer."""
     out = {}
     for kind, mx in layout.max_per_kind:
