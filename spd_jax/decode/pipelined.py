@@ -130,12 +130,16 @@ def _network_draft(kind, make, method: str):
         d_cfg, variables, label = registry.resolve(kind, model, spec, plan, psm_layers, method=method)
         drafter = make(model.config, d_cfg)
 
+        def engine_layout():  # split from host views (on a CPU host no copy): placing makes the only new copy
+            return drafter.engine_params(jax.tree.map(
+                lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, variables))
+
         def place(prompt_len, cache_len, layout, shared, rep):
             if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
-                return put(drafter.engine_params(variables), rep)
+                return put(engine_layout(), rep)
             key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
             if key not in model.runtime:
-                model.runtime[key] = place_psm(drafter.engine_params(variables), d_cfg, shared, model.config, rep)
+                model.runtime[key] = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
                 registry.keep_placed(model, variables, model.runtime[key])
             return model.runtime[key]
 
@@ -214,7 +218,7 @@ def engine_mesh(cfg, devices: int, tp: int = 1):
 
 
 class Placed(NamedTuple):
-    """Everything the engine's program reads, on the stage mesh: per-stage stacks (leading axis the devices,
+    """Everything the engine's program reads, on the stage mesh: per-stage buffers (leading axis the devices,
     split over `stage`) and replicated values."""
 
     stage_w: dict  # {kind: ({leaf: [devices, ...]} per position in a stage's layers of that kind)}

@@ -99,7 +99,10 @@ class Resolved(NamedTuple):
 def keep_placed(model, variables: dict, placed: dict) -> None:
     """The drafter `resolve` keeps in `model.runtime` as `variables` is kept as `placed` from now on: the same
     values placed on an engine's mesh, so a process holds one copy, not the unplaced one beside it (a
-    replicated placement over processes copies through the host; Qwen3.5-4B's PSM is 0.63 GB a process)."""
+    replicated placement over processes copies through the host; Qwen3.5-4B's PSM is 0.63 GB a process). In
+    the layout the engine reads (`SpdDrafter.engine_params`: a PSM's layers one buffer each), so a later
+    `resolve` on this model returns that layout: the engine's own calls accept it (`engine_params` leaves it
+    as it is); a consumer of the stacked layout (`infer.replay`'s teacher-forced drafts) loads its own model."""
     for key, value in list(model.runtime.items()):
         if isinstance(key, tuple) and key[:1] == ("drafter",):
             if value is variables:

@@ -174,9 +174,9 @@ def attention_layers(module: nn.Module, cfg: ModelConfig, num_layers: int, per_l
     out = {}
     for k, leaf in schema.layer_schema(cfg, ATTENTION).items():
         init = schema.initializer(leaf, cfg)
-        if per_layer:  # only applied, never initialised: the engine splits a stacked checkpoint's
+        if per_layer:  # the engine's, made by splitting a stacked module's variables; a key per layer regardless
             out[k] = module.param(f"layer_{k}", lambda key, shape, init=init: tuple(
-                init(key, shape) for _ in range(num_layers)), leaf.shape)
+                init(k_, shape) for k_ in jax.random.split(key, num_layers)), leaf.shape)
         else:
             out[k] = module.param(f"layer_{k}", nn.with_logical_partitioning(init, ("layers", *leaf.axes)),
                                   (num_layers, *leaf.shape))
