@@ -141,6 +141,14 @@ class _TextStream:
             self.printed = text
 
 
+def _run_as_processes(processes: int, argv: list[str]) -> int:
+    """This run as `processes` local workers of one device each, said on stderr (`distributed.processes_for_size`)."""
+    print(f"infer.generate: {processes} host devices in one process deadlock XLA:CPU at this model's size (from "
+          f"{distributed.ONE_PROCESS_MAX_PARAMS / 1e9:.1f} B parameters): running {processes} processes of one "
+          f"device each instead (--processes {processes}; docs/scale.md)", file=sys.stderr, flush=True)
+    return distributed.launch(processes, "infer.generate", distributed.worker_argv(argv), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -164,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if routed:
-        print(f"infer.generate: {routed} host devices in one process deadlock XLA:CPU at this model's size (from "
-              f"{distributed.ONE_PROCESS_MAX_PARAMS / 1e9:.1f} B parameters): running {routed} processes of one "
-              f"device each instead (--processes {routed}; docs/scale.md)", file=sys.stderr, flush=True)
-        return distributed.launch(routed, "infer.generate", distributed.worker_argv(argv), args.local_devices)
+        return _run_as_processes(routed, argv)
     try:
         # On a CPU-only host the devices are host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.

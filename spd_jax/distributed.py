@@ -207,7 +207,9 @@ def processes_for_size(args: argparse.Namespace, model_ref, devices: int) -> int
     """A CLI about to run `devices` host devices in one process (no --processes, no job), on a host without an
     accelerator, for a model of at least ONE_PROCESS_MAX_PARAMS -> the processes to run instead (one device each);
     else None."""
-    if devices <= 1 or args.processes is not None or args.coordinator is not None or ENV_PROCESS_ID in os.environ:
+    if devices <= 1 or args.processes is not None or getattr(args, "local_devices", None) is not None:
+        return None
+    if cluster_from(args) is not None:  # already one process of a job
         return None
     if _accelerator_present():
         return None

@@ -139,16 +139,24 @@ def test_a_model_too_large_for_one_process_of_host_devices_is_run_as_processes(t
     from spd_jax import distributed
     from spd_jax.config import named_hf_dict
 
+    ap = argparse.ArgumentParser()
+    distributed.add_arguments(ap)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+    for var in (distributed.ENV_PROCESS_ID, distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES):
+        monkeypatch.delenv(var, raising=False)
     for name, want in (("qwen3.5-0.8b", 4), ("smollm2-135m-instruct", None)):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(_json.dumps(named_hf_dict(name)))
-        args = argparse.Namespace(processes=None, coordinator=None)
-        assert distributed.processes_for_size(args, d, 4) == want, name
+        assert distributed.processes_for_size(ap.parse_args([]), d, 4) == want, name
     big = tmp_path / "qwen3.5-0.8b"
-    assert distributed.processes_for_size(argparse.Namespace(processes=2, coordinator=None), big, 4) is None
-    assert distributed.processes_for_size(argparse.Namespace(processes=None, coordinator=None), big, 1) is None
+    for flags in (["--processes", "2"], ["--local-devices", "2"]):  # the caller chose how the devices are laid out
+        assert distributed.processes_for_size(ap.parse_args(flags), big, 4) is None, flags
+    assert distributed.processes_for_size(ap.parse_args([]), big, 1) is None
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")  # a worker of a job already
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    assert distributed.processes_for_size(ap.parse_args([]), big, 4) is None
+    monkeypatch.delenv(distributed.ENV_COORDINATOR)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    assert distributed.processes_for_size(argparse.Namespace(processes=None, coordinator=None), big, 4) is None
+    assert distributed.processes_for_size(ap.parse_args([]), big, 4) is None
