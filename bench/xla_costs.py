@@ -4,14 +4,14 @@
     python -m bench.xla_costs [--config qwen3.5-4b] [--n 8] [--context 1024] [--dtype float32] [--json]
 
 Parts, each compiled for one token at a cache of --context positions (the cache the programs read whole):
-  stage s        the engine's stage program as it runs (`stages.stage_forward`: the stage's stacked weights
-                 indexed per slot, a `lax.switch` over the layer kinds per slot) against
-                 `models.costs.layer_costs` summed over stage s's layers; and "its layers": each of them
-                 compiled alone at a static kind (`decoder.attention_layer`, `decoder.linear_layer`)
+  stage s        the engine's stage program as device s runs it (`stages.stage_forward` on its per-layer buffers,
+                 its slot table a constant, so each slot's `lax.switch` is the branch it takes; its caches donated,
+                 as the engine's loop carries them) against `models.costs.layer_costs` summed over stage s's layers;
+                 and "its layers": each compiled alone at a static kind (`decoder.attention_layer`, `linear_layer`)
   verify shard   final norm + one device's ceil(V / n) rows of the LM head, as the engine reads them (its
                  block where the head is split by rows, else a slice of the whole head), against `head_cost`
-  psm body       the random PSM's draft over the n + 1 rows of a full pipeline (`PSM.draft_hidden`; its Ls
-                 layers a scan, whose body XLA counts once: the rest added) against `cycle_costs`' psm_body
+  psm body       the random PSM's draft over the n + 1 rows of a full pipeline as the engine runs it (`PSMDrafter`:
+                 its layers and cache one buffer each, the cache donated) against `cycle_costs`' psm_body
   psm head shard the same over the PSM's head
 and the cycle (every stage, the PSM body, both heads' shards on every device) summed. XLA counts the bytes
 of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
@@ -21,7 +21,6 @@ model counts weights and caches read once. Where they part (on XLA:CPU) is said 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 import jax
@@ -36,8 +35,6 @@ from spd_jax.pipeline import stages
 from spd_jax.pipeline.costs import cycle_costs, default_plan
 
 NOTES = {
-    "stage": "XLA:CPU copies each stacked weight's slot out (a dynamic slice) before its dot; a switch counts as "
-             "its costliest branch",
     "bf16": "XLA:CPU converts each bf16 weight to float32 before its matrix-vector dot (2 + 4 + 4 bytes a weight)",
     "head": "the shard's rows are sliced out of the replicated head (a dynamic slice) before the dot",
 }
@@ -88,6 +85,23 @@ def stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dt
         return stages.stage_forward(w, cache, prog, x, pos, cfg, layout)
 
     return _cost(fn, w, cache, _sds((1, 1, cfg.hidden_size), dtype), _sds((), jnp.int32), donate=(1,))
+
+
+def spmd_stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dtype) -> dict:
+    """The one program every device runs, its slot table a run-time input as in the engine (XLA counts each
+    `lax.switch` as its costliest branch): what a conditional adds at its boundary (copies of the caches it
+    passes) shows here."""
+    one = lambda t: _sds(t.shape[1:], t.dtype)  # noqa: E731
+    w = jax.tree.map(one, jax.eval_shape(lambda: stages.stack_stage_weights(
+        jax.tree.map(lambda t: jnp.zeros(t.shape, dtype), _layer_stacks(cfg)), cfg, layout)))
+    cache = jax.tree.map(one, jax.eval_shape(lambda: stages.init_stage_caches(cfg, layout, 1, context,
+                                                                            layout.plan.n, dtype)))
+    prog = {k: _sds((layout.slots,), jnp.int32) for k in ("branch", "anchor_id")}
+
+    def fn(w, cache, prog, x, pos):
+        return stages.stage_forward(w, cache, prog, x, pos, cfg, layout)
+
+    return _cost(fn, w, cache, prog, _sds((1, 1, cfg.hidden_size), dtype), _sds((), jnp.int32), donate=(1,))
 
 
 def _layer_stacks(cfg: ModelConfig) -> dict:
@@ -157,6 +171,10 @@ def compare_config(cfg: ModelConfig, n: int, context: int, dtype: str = "float32
         row(f"stage {s} ({kinds.count(LINEAR)} linear, {kinds.count(ATTENTION)} attention): its layers", fl, by, alone)
         programs.append(stage_program(cfg, layout, context, dtype, s))
         row(f"stage {s}: the engine's stage program", fl, by, programs[-1])
+    busiest = max(range(plan.n), key=lambda s: sum(c.bytes for c in layers[slice(*plan.bounds[s])]))
+    mine = layers[slice(*plan.bounds[busiest])]
+    row(f"the SPMD stage program (slot table at run time) vs stage {busiest}", sum(c.flops for c in mine),
+        sum(c.bytes for c in mine), spmd_stage_program(cfg, layout, context, dtype))
     verify = head_shard(cfg, cfg.vocab_size, cc.devices, dtype)
     sliced = cfg.vocab_size % cc.devices != 0
     row("verify head shard", cc.head_shard.flops, cc.head_shard.bytes, verify, NOTES["head"] if sliced else "")
