@@ -139,7 +139,7 @@ def build(ec: EngineConfig, mesh, placed: tuple | None = None):
     of `shared` and `drafter_params` as placed (`arg_specs`: the
     embedding and heads split by vocabulary rows where `ec.vocab_rows`, a drafter's head with them or
     replicated); default replicated. Per-stage stacks are split, the rest replicated."""
-    # per-stage stacks (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
+    # per-stage buffers (weights, programs, caches) lead with the "stage" logical axis; the rest is replicated
     rep, st = logical_spec((), STAGE_RULES), logical_spec(("stage",), STAGE_RULES)
     body = functools.partial(_engine, ec)
     # On a `stage x model` mesh the body is manual over `stage` only: `model` stays automatic inside it, so

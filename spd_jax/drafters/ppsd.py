@@ -180,7 +180,7 @@ class PPSDDrafter:
         """The prompt's exit states (anchor_states [m, P_pad, H]) into the cache at [0, P_pad)."""
         params = module_params(params, self.cfg, self.spec.draft_vocab)
 
-        def prefill(cache):  # the rows meet the (per-device) cache inside the layer scan: cast them first
+        def prefill(cache):  # the rows meet the (per-device) cache in the layers: cast them first
             return self.module.apply(params, ops.vary(anchor_states[EXIT][None]), cache, jnp.int32(0),
                                      method=EarlyExit.forward)[1]
 

@@ -131,8 +131,9 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     context, stage_layers.
 
     Each measured part is taken as bytes / bandwidth + launch, with two bandwidths: the pipeline stages'
-    programs (their layers stacked per stage, which XLA:CPU copies out before each matmul) and every
-    other program (heads, the PSM, the AR step's per-layer weights); the three unknowns come from a
+    programs and every other program (heads, the PSM, the AR step). The stages' own bandwidth dates from
+    when their layers were stacked per stage (XLA:CPU copied each slot out before its matmul); with one
+    buffer per layer the fit is free to make the two equal. The three unknowns come from a
     non-negative least-squares fit of the part times against their bytes (one bandwidth without an AR
     step). The fixed cost per layer is not separable from the bytes here (a stage's bytes grow with its
     layers) and is left at 0. FLOP/s is not identifiable from decode parts (their FLOPs grow with their

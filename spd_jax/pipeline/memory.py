@@ -2,14 +2,16 @@
 and a PSM training step hold on each device once placed, by part, as the code places them today.
 
 - `spd` (`decode.pipelined.place_engine`): every device holds the same shapes (one SPMD program): its
-  stage's layers in per-kind stacks padded to the most layers of that kind in any stage; the embedding and
+  stage's layers, one buffer per position in a stage's layers of each kind, padded to the most layers of that
+  kind in any stage (`pipeline.stages`); the embedding and
   LM head split by vocabulary rows over the D devices where D divides the vocabulary (`heads="rows"`, V / D
   rows each), else whole on every device (`heads="replicated"`), and the final norm (`heads="auto"`, the
   default: what the stage rules do); the PSM's weights, replicated (its head is the target's placed one
   without a draft vocabulary); the stage
-  caches: KV [max attention layers, 1, Nkv, S, D] x 2 in the model dtype, Gated DeltaNet's conv inputs
-  [max linear layers, n, 1, K-1, C] in the model dtype and recurrent states [max linear layers, n, 1, Hv,
-  Dk, Dv] in float32 (a ring of n saved states, for rollback); the PSM's KV cache [Ls, 1, Nkv, S, D] x 2.
+  caches, one per position: KV [1, Nkv, S, D] x 2 in the model dtype for each of the most attention layers,
+  Gated DeltaNet's conv inputs [1, n, 1, K-1, C] in the model dtype and recurrent states [1, n, 1, Hv, Dk, Dv]
+  in float32 (a ring of n saved states, for rollback) for each of the most linear layers; the PSM's KV cache,
+  [1, Nkv, S, D] x 2 per layer (the same bytes as stacks: the totals are unchanged).
 - `tp` (`methods.tp_runtime`): each leaf's shard under `TP_RULES` (heads that n does not divide stay whole),
   plus the per-layer decode copy of the layers (`decoder.decode_layers`: the layers twice); caches split like
   the KV heads, the Gated DeltaNet states (ring 1) like its heads.

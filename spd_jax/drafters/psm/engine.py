@@ -52,7 +52,7 @@ class PSMDrafter:
     def spd_prefill(self, params, state, anchor_states, ops):
         params = self._module_params(params)
 
-        def prefill(cache):  # the rows meet the (per-device) cache inside the layer scan: cast them first
+        def prefill(cache):  # the rows meet the (per-device) cache in the layers: cast them first
             return self.module.apply(params, ops.vary(jnp.moveaxis(anchor_states, 0, 1)), cache,
                                      method=PSM.prefill)
 
