@@ -5,13 +5,12 @@ all-reduces is the pipeline's own hand-over between stages."""
 
 import re
 
-import numpy as np
 import pytest
-from scipy import stats as sstats
 
 import spd_jax
 from spd_jax import methods
 from spd_jax.sharding import MODEL, STAGE
+from two_tokens import TwoTokens
 
 PROMPT = [1, 17, 42, 99, 5, 63, 7]
 
@@ -106,24 +105,14 @@ def test_sampling_matches_the_target_distribution_on_a_stage_model_mesh(tiny_ckp
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=2)[0])
     kw = dict(temperature=1.0, top_k=4, method="spd", n=2, tp=2, psm_layers=1)
 
-    def warped(ids):
-        lg = model.logits(np.array([ids]))[0, -1]
-        keep = np.argsort(lg)[::-1][:4]
-        p = np.exp(lg[keep] - lg[keep].max())
-        return dict(zip(keep.tolist(), (p / p.sum()).tolist()))
-
-    p0 = warped(SAMPLING_PROMPT)
-    joint = {(a, b): pa * pb for a, pa in p0.items() for b, pb in warped(SAMPLING_PROMPT + [a]).items()}
-    cells = sorted(joint)
-    expected = np.array([joint[c] for c in cells])
+    target = TwoTokens(model, SAMPLING_PROMPT)
 
     def pvalue(runs):
         counts = {}
         for i in range(runs):
             pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, seed=i, stop_at_eos=False, **kw).token_ids)
             counts[pair] = counts.get(pair, 0) + 1
-        obs = np.array([counts.get(c, 0) for c in cells])
-        return runs - obs.sum(), sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
+        return target.pvalue(counts)
 
     outside, p_ok = pvalue(400)
     print(f"correct rule: p={p_ok:.3g}")

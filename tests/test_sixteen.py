@@ -11,12 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from scipy import stats as sstats
 
 import spd_jax
 from spd_jax.reports.results import read_rows
+from two_tokens import TwoTokens
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -77,21 +76,7 @@ def test_sampling_at_n16_matches_the_target_distribution(qwen16, method):
     draft) fails the same test: tests/test_spd.py's check, at n = 16."""
     model = spd_jax.load_model(qwen16)
 
-    def warped(ids):
-        lg = model.logits(np.array([ids]))[0, -1]
-        keep = np.argsort(lg)[::-1][:4]
-        p = np.exp(lg[keep] - lg[keep].max())
-        return dict(zip(keep.tolist(), (p / p.sum()).tolist()))
-
-    p0 = warped(PROMPT)
-    joint = {(a, b): pa * pb for a, pa in p0.items() for b, pb in warped(PROMPT + [a]).items()}
-    cells = sorted(joint)
-    expected = np.array([joint[c] for c in cells])
-
-    def pvalue(counts):
-        obs = np.array([counts.get(c, 0) for c in cells])
-        return sum(counts.values()) - obs.sum(), sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
-
+    pvalue = TwoTokens(model, PROMPT).pvalue
     outside, p_ok = pvalue(_pair_counts(str(qwen16), method, 300))
     outside_bad, p_bad = pvalue(_pair_counts(str(qwen16), method, 150, wrong=True))
     print(f"{method} at n=16: correct rule p={p_ok:.3g}; wrong rule {outside_bad} outside the support, p={p_bad:.3g}")

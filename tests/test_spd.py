@@ -8,7 +8,6 @@ import re
 import jax
 import numpy as np
 import pytest
-from scipy import stats as sstats
 
 import spd_jax
 from spd_jax import methods
@@ -18,6 +17,7 @@ from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
 from spd_jax.pipeline.profile import loop_collectives
 from spd_jax.drafters import psm
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
+from two_tokens import TwoTokens, warped
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -158,21 +158,8 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
     method = "ppsd" if drafter == "ppsd" else "spd"
     kw = dict(temperature=1.0, top_k=4, method=method, n=n, psm_layers=1, drafter_spec="random")
 
-    def warped(ids):
-        lg = model.logits(np.array([ids]))[0, -1]
-        keep = np.argsort(lg)[::-1][:4]
-        p = np.exp(lg[keep] - lg[keep].max())
-        return dict(zip(keep.tolist(), (p / p.sum()).tolist()))
-
-    p0 = warped(SAMPLING_PROMPT)
-    joint = {(a, b): pa * pb for a, pa in p0.items() for b, pb in warped(SAMPLING_PROMPT + [a]).items()}
-    cells = sorted(joint)
-    expected = np.array([joint[c] for c in cells])
-
-    def pvalue(counts):
-        obs = np.array([counts.get(c, 0) for c in cells])
-        outside = sum(counts.values()) - obs.sum()
-        return outside, sstats.chisquare(obs, expected / expected.sum() * obs.sum()).pvalue
+    target = TwoTokens(model, SAMPLING_PROMPT)
+    p0, cells, pvalue = target.first, target.cells, target.pvalue
 
     if draft_vocab:  # the support and every third token: drafts both inside and outside it
         ids = sorted({t for c in cells for t in c} | set(range(0, model.config.vocab_size, 3)))
@@ -181,7 +168,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
         kw = dict(kw, spec=str(tmp_path / "psm"))
     if drafter == "oracle":
         first = max(p0, key=p0.get)
-        second = warped(SAMPLING_PROMPT + [first])
+        second = warped(model, SAMPLING_PROMPT + [first])
         kw = dict(kw, drafter="oracle", oracle_tokens=[first, max(second, key=second.get)])
     runs = 400
     outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
