@@ -33,7 +33,7 @@ from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv
                                       softmax_blocks)
 from spd_jax.models.deltanet import (LinearState, gated_deltanet, init_linear_state, read_slot, write_slot,
                                      write_slots)
-from spd_jax.models.layers import apply_rope, dense, mlp, rms_norm, rope_cos_sin
+from spd_jax.models.layers import apply_rope, dense, low_precision_dot, mlp, rms_norm, rope_cos_sin
 
 Params = dict
 
@@ -160,7 +160,9 @@ def head_logits(x: jax.Array, norm_w: jax.Array, head: jax.Array, cfg: ModelConf
     x = rms_norm(x, norm_w, cfg.rms_norm_eps, cfg.norm_offset)
     if rows is not None and head.shape[0] != rows:
         head = jax.lax.dynamic_slice_in_dim(head, start, rows, axis=0)
-    return jnp.einsum("...h,vh->...v", x.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    if head.dtype == jnp.float32 or head.dtype == jnp.float64:
+        return jnp.einsum("...h,vh->...v", x.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    return low_precision_dot(x.astype(head.dtype), head, 1)
 
 
 def forward(params: Params, tokens: jax.Array, cache: Cache, pos: jax.Array, cfg: ModelConfig):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,13 +13,36 @@ from spd_jax.config import ModelConfig, rope_inv_freq
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x's dtype. Low-precision (bf16) weights take x in their dtype
-    and accumulate in float32: XLA:CPU runs that dot on its fast bf16 kernel, while a bf16-out dot is
-    converted to float32 first and a mixed f32 x bf16 dot upcasts the weight on every call."""
+    and accumulate in float32 (`low_precision_dot`); float32 weights a plain dot."""
     if w.dtype == jnp.float32 or w.dtype == jnp.float64:
         return x @ w
-    y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return low_precision_dot(x.astype(w.dtype), w, 0).astype(x.dtype)
+
+
+def dense_dot_general(x: jax.Array, w: jax.Array, dimension_numbers, precision=None, **_) -> jax.Array:
+    """`dense` as a Flax `nn.Dense(dot_general=...)`: a drafter's projections run the target's dot (a bf16
+    kernel accumulating in float32, not a bf16-out dot that XLA:CPU converts whole to float32 first)."""
+    assert tuple(map(tuple, dimension_numbers[0])) == ((x.ndim - 1,), (0,)) and not any(dimension_numbers[1]), \
+        dimension_numbers
+    return dense(x, w)
+
+
+def low_precision_dot(x: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+    """x [..., K] against a 2-D low-precision weight w ([K, N] with w_contract 0, [N, K] with 1), both in w's
+    dtype -> float32 [..., N]: products exact in float32, accumulated in float32.
+
+    XLA:CPU runs this dot on its bf16 kernel (YNNPACK), which streams the weight as it is stored, only when the
+    activation has two rows or more. With one row (batch-1 decode: every stage step, every head shard) it
+    converts the whole weight to float32 first: a temporary of twice the weight's bytes per dot and about 9x
+    the time (a [2560, 9216] weight: 35 ms against 3.8 ms; docs/scale.md). So on CPU one row is padded to
+    two; other backends run the dot as it is."""
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1 and jax.default_backend() == "cpu":
+        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
+    y = jax.lax.dot_general(x2, w, (((1,), (w_contract,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:rows].reshape(*lead, y.shape[-1])
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:

@@ -38,7 +38,7 @@ from spd_jax.drafters.shared import DraftHead, logical_axes, random_variables, t
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
-from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
+from spd_jax.models.layers import dense_dot_general, mlp, rms_norm, rope_cos_sin
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -141,8 +141,8 @@ class Eagle3(DraftHead, nn.Module):
     def setup(self):
         H = self.cfg.hidden_size
         logical = nn.with_logical_partitioning
-        self.fc = nn.Dense(H, use_bias=False, name="fc", kernel_init=logical(nn.initializers.lecun_normal(),
-                                                                             (None, "embed")))
+        self.fc = nn.Dense(H, use_bias=False, dot_general=dense_dot_general, name="fc",
+                           kernel_init=logical(nn.initializers.lecun_normal(), (None, "embed")))
         lcfg, weights = self.lcfg, weight_schema(self.cfg, self.spec)
 
         def param(name):

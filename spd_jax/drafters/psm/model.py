@@ -45,7 +45,7 @@ from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters.shared import DraftHead, attention_layers, run_attention_layers, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, group_queries, output_projection, project_qkv, softmax_blocks
-from spd_jax.models.layers import mlp, rms_norm, rope_cos_sin
+from spd_jax.models.layers import dense_dot_general, mlp, rms_norm, rope_cos_sin
 
 
 def quarter_anchors(num_layers: int) -> tuple[int, ...]:
@@ -144,7 +144,7 @@ class PSM(DraftHead, nn.Module):
         # Logical axes (Flax's logical partitioning) from the target's schema: the rules tables of
         # `spd_jax.sharding` place the PSM with the same names as the target.
         logical = nn.with_logical_partitioning
-        self.proj = [nn.Dense(H, use_bias=False, name=f"proj_{a}",
+        self.proj = [nn.Dense(H, use_bias=False, dot_general=dense_dot_general, name=f"proj_{a}",
                               kernel_init=logical(nn.initializers.lecun_normal(), (None, "embed")))
                      for a in range(self.spec.m)]
         if self.spec.anchor_norm:
