@@ -15,7 +15,8 @@ Parts, each compiled for one token at a cache of --context positions (the cache 
   psm head shard the same over the PSM's head
 and the cycle (every stage, the PSM body, both heads' shards on every device) summed. XLA counts the bytes
 of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
-model counts weights and caches read once. Where they part (on XLA:CPU) is said per row.
+model counts weights and caches read once. Where they part (on XLA:CPU) is said per row. "XLA temp MB": each
+program's temporary buffer (`memory_analysis()`), allocated beside its arguments while it runs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from spd_jax.pipeline import stages
 from spd_jax.pipeline.costs import cycle_costs, default_plan
 
 NOTES = {
-    "bf16": "XLA:CPU converts each bf16 weight to float32 before its matrix-vector dot (2 + 4 + 4 bytes a weight)",
+    "bf16": "a one-row bf16 dot runs as two rows on CPU (`layers.low_precision_dot`: XLA:CPU's bf16 kernel needs two; "
+            "one row would convert the weight to float32 first): the weight read once, its FLOPs counted twice",
     "head": "the shard's rows are sliced out of the replicated head (a dynamic slice) before the dot",
 }
 
@@ -45,11 +47,14 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def _cost(fn, *args, donate: tuple[int, ...] = ()) -> dict:
-    """XLA's flops and bytes accessed of fn compiled for args (abstract); `donate`: the arguments (caches) the
+    """XLA's flops and bytes accessed of fn compiled for args (abstract), and its temporary buffer (what the
+    program allocates beside its arguments and results while it runs); `donate`: the arguments (caches) the
     engine's loop updates in place, which a program of its own would otherwise copy whole to its output."""
-    ca = jax.jit(fn, donate_argnums=donate).lower(*args).compile().cost_analysis()
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
-    return dict(flops=float(ca.get("flops", 0.0)), bytes=float(ca.get("bytes accessed", 0.0)))
+    return dict(flops=float(ca.get("flops", 0.0)), bytes=float(ca.get("bytes accessed", 0.0)),
+                temp=float(compiled.memory_analysis().temp_size_in_bytes))
 
 
 def layer_program(cfg: ModelConfig, kind: str, context: int, dtype, rows: int = 1) -> dict:
@@ -160,7 +165,7 @@ def compare_config(cfg: ModelConfig, n: int, context: int, dtype: str = "float32
     def row(part, model_flops, model_bytes, xla, note=""):
         rows.append(dict(part=part, model_flops=model_flops, xla_flops=xla["flops"],
                          flops_ratio=xla["flops"] / model_flops, model_bytes=model_bytes, xla_bytes=xla["bytes"],
-                         bytes_ratio=xla["bytes"] / model_bytes, note="; ".join(x for x in (note, low) if x)))
+                         bytes_ratio=xla["bytes"] / model_bytes, xla_temp_bytes=xla.get("temp"), note="; ".join(x for x in (note, low) if x)))
 
     programs = []
     for s, (a, b) in enumerate(plan.bounds):
@@ -205,10 +210,11 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.config}, n = {args.n}, context {args.context}, {args.dtype}, {jax.default_backend()}: "
           "cost model vs XLA cost_analysis()")
-    print(f"| part | model GFLOP | XLA GFLOP | ratio | model MB | XLA MB | ratio | note |\n|{'---|' * 8}")
+    print(f"| part | model GFLOP | XLA GFLOP | ratio | model MB | XLA MB | ratio | XLA temp MB | note |\n|{'---|' * 9}")
     for r in rows:
+        temp = "" if r["xla_temp_bytes"] is None else f"{r['xla_temp_bytes'] / 1e6:.1f}"
         print(f"| {r['part']} | {r['model_flops'] / 1e9:.3f} | {r['xla_flops'] / 1e9:.3f} | {r['flops_ratio']:.3f} | "
-              f"{r['model_bytes'] / 1e6:.1f} | {r['xla_bytes'] / 1e6:.1f} | {r['bytes_ratio']:.3f} | {r['note']} |")
+              f"{r['model_bytes'] / 1e6:.1f} | {r['xla_bytes'] / 1e6:.1f} | {r['bytes_ratio']:.3f} | {temp} | {r['note']} |")
     return 0
 
 
