@@ -32,7 +32,7 @@ from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline import stages
-from spd_jax.pipeline.costs import cycle_costs, default_plan
+from spd_jax.costs.cycle import cycle_costs, default_plan
 
 NOTES = {
     "bf16": "XLA:CPU converts each bf16 weight to float32 before its matrix-vector dot (2 + 4 + 4 bytes a weight)",

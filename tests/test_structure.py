@@ -150,6 +150,43 @@ def test_layers_import_downward_only(importer, forbidden):
     assert not bad, f"{importer} must not import {', '.join(forbidden)}: " + "; ".join(bad)
 
 
+# the library's layers, lowest first (docs/design.md's diagram): a module imports only modules of its own layer
+# or below. A name covers its package; the longest name that covers a module places it; `spd_jax` is the
+# package's own __init__ only.
+LAYERS = (
+    ("spd_jax.config", "spd_jax.progress", "spd_jax.datasets"),
+    ("spd_jax.models", "spd_jax.sharding", "spd_jax.convert"),  # convert: HF / GGUF / random checkpoints
+    ("spd_jax.distributed",),
+    ("spd_jax.drafters", "spd_jax.convert.eagle3"),  # eagle3: reads the drafter's weight schema
+    ("spd_jax.pipeline",),  # partition and stages
+    ("spd_jax.costs",),  # the analytic cost model, and the measured cycle profile it is fitted to
+    ("spd_jax.decode",),
+    ("spd_jax.methods", "spd_jax.api", "spd_jax"),
+    ("spd_jax.reports", "spd_jax.convert.reference_psm"),  # reference_psm: converts to a drafter, with its card
+)
+
+
+def layer_of(mod: str) -> int | None:
+    """The index in LAYERS of the longest name covering mod (`spd_jax` covers only itself), or None."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if mod == n or (n != "spd_jax" and mod.startswith(n + ".")):
+                if best is None or len(n) > len(best[1]):
+                    best = (i, n)
+    return None if best is None else best[0]
+
+
+def test_library_imports_its_own_layer_or_below():
+    graph = import_graph()
+    lib = [m for m in graph if _top(m) == "spd_jax"]
+    unplaced = sorted(m for m in lib if layer_of(m) is None)
+    assert not unplaced, "library modules in no layer of LAYERS: " + ", ".join(unplaced)
+    up = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})" for m in lib
+                for d in graph[m] if _top(d) == "spd_jax" and layer_of(d) > layer_of(m))
+    assert not up, "imports upward across the library's layers: " + "; ".join(up)
+
+
 def test_the_graph_reader_sees_imports_in_functions_and_relative_ones(tmp_path, monkeypatch):
     pkg = tmp_path / "spd_jax"
     (pkg / "sub").mkdir(parents=True)

@@ -48,7 +48,7 @@ from spd_jax.drafters.base import anchor_states, join_params, teacher_forward
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_queries
 from spd_jax.drafters.shared import (DraftHead, attention_layers, check_target, init_layer_caches, logical_axes,
-                                     module_params, random_variables, run_attention_layers, sharded_head,
+                                     module_params, param_count, random_variables, run_attention_layers, sharded_head,
                                      split_layers, target_signature)
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, init_kv_cache
@@ -383,6 +383,7 @@ KIND = DrafterKind(
     init=init_ppsd, check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, plan, where),
     random_config=lambda cfg, plan, num_layers=None: PPSDConfig.for_target(cfg, plan.counts),  # the reference's 1 layer
     shipped=lambda model_name, plan: shipped_ppsd(model_name, plan.n), misfit=_misfit, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab)),
     flag="--drafter", random_flag="--drafter random",
     train_fix="train a PPSD head for {model} (python -m train.main with method: ppsd, model: {model}) or use one "
               "trained for it",

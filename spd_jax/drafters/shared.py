@@ -152,6 +152,14 @@ def random_variables(init_boxed: InitBoxed, cfg: ModelConfig, spec, target_param
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def param_count(init_boxed: InitBoxed, cfg: ModelConfig, spec, own_head: bool) -> int:
+    """The drafter's weights, from the shapes its module declares (`jax.eval_shape` of its init, no arrays):
+    every param but its `lm_head`, which counts only where the head is its own (own_head), not the target's."""
+    shapes = jax.eval_shape(lambda: nn.unbox(init_boxed(cfg, spec, 0))["params"])
+    return sum(t.size for k, v in shapes.items() if k != "lm_head" or own_head for t in jax.tree.leaves(v))
+
+
 def logical_axes(init_boxed: InitBoxed, cfg: ModelConfig, spec) -> dict:
     """The drafter's variables pytree with each leaf's logical axes (a tuple) in place of the array, for
     `spd_jax.sharding.tree_shardings` (a collection without boxes, e.g. `vocab` ids: replicated)."""

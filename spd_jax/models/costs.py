@@ -1,5 +1,5 @@
 """Per-layer cost of decoding one token, for the stage partitioner and for roofline estimates; also the
-embedding, the LM head and the PSM's draft (the parts `spd_jax.pipeline.costs` times per SPD cycle).
+embedding, the LM head and the PSM's draft (the parts `spd_jax.costs.cycle` times per SPD cycle).
 
 A decode step is dominated by reading weights and caches (memory bound) on most hardware; prefill
 and training by FLOPs. Both are counted per layer so a partitioner can balance stages whose layers

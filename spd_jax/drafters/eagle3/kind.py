@@ -17,10 +17,11 @@ from spd_jax.config import ATTENTION, ModelConfig, RopeConfig
 from spd_jax.distributed import to_host
 from spd_jax.drafters import store
 from spd_jax.drafters.base import features, join_params, teacher_forward
-from spd_jax.drafters.eagle3.model import DraftLayer, Eagle3, Eagle3Config, eagle3_axes, init_eagle3, layer_schema
+from spd_jax.drafters.eagle3.model import (DraftLayer, Eagle3, Eagle3Config, _init_boxed, eagle3_axes, init_eagle3,
+                                           layer_schema)
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_kl
-from spd_jax.drafters.shared import check_target
+from spd_jax.drafters.shared import check_target, param_count
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import head_cost, kind_cost
 
@@ -163,6 +164,7 @@ KIND = DrafterKind(
     check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, where, expect),
     random_config=lambda cfg, plan=None, num_layers=None: Eagle3Config.for_target(cfg),
     shipped=lambda model_name, plan=None: shipped_eagle3(model_name), misfit=lambda spec, plan: None, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab)),
     flag="--drafter", train_fix="train an EAGLE-3 drafter for {model} (python -m train.main with method: eagle3, model: {model}) "
               "or use one trained for it", training=TRAINING,
     why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)",

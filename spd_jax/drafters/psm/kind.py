@@ -20,7 +20,7 @@ from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
-from spd_jax.drafters.shared import check_target, logical_axes, random_variables
+from spd_jax.drafters.shared import check_target, logical_axes, param_count, random_variables
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import psm_costs
 
@@ -200,6 +200,7 @@ KIND = DrafterKind(
     check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, plan, where, expect),
     random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab or spec.own_head)),
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
     training=TRAINING, missing_hint="; train one with train.main", staged=True, random_flag="--random-psm",
     teacher_drafts=drafts_by_fill,

@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.models import schema
-from spd_jax.pipeline.costs import default_plan
+from spd_jax.costs.cycle import default_plan
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.sharding import MODEL, TP_RULES, TRAIN_RULES, logical_spec
 
@@ -73,6 +73,13 @@ class DeviceBytes:
         return self.weights + self.caches
 
 
+def _drafter_kinds():
+    """`spd_jax.drafters.registry`, whose kinds' `params` is the one count of each drafter's weights; imported
+    when counted (the drafters import Flax, and this module needs none of it otherwise)."""
+    from spd_jax.drafters import registry
+    return registry
+
+
 def _layer_params(cfg: ModelConfig, kind: str) -> int:
     return schema.param_count(schema.layer_schema(cfg, kind))
 
@@ -98,21 +105,15 @@ def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int
                for leaf in g.values())
 
 
-def psm_params(cfg: ModelConfig, spec: "PSMConfig", with_head: bool = False) -> int:
-    """The PSM's weights: projections sum_a (a + 1) H x H, the anchor gains, Ls attention layers of the target's
-    kind (with their q/k norms under `qk_norm`), and (with_head, or with a draft vocabulary or its own head) its
-    head [V', H]."""
-    H, m = cfg.hidden_size, spec.m
-    layer = _layer_params(cfg, ATTENTION) + (2 * cfg.head_dim if spec.qk_norm else 0)
-    p = H * H * m * (m + 1) // 2 + (m * H if spec.anchor_norm else 0) + spec.num_layers * layer
-    return p + ((spec.draft_vocab or cfg.vocab_size) * H if with_head or spec.draft_vocab or spec.own_head else 0)
+def drafter_params(cfg: ModelConfig, spec) -> int:
+    """A drafter's weights, as its kind counts them (`DrafterKind.params`: its module's declared shapes; the
+    LM head only where it is its own, a draft vocabulary's or one it trains)."""
+    return _drafter_kinds().of_config(spec).params(cfg, spec)
 
 
 def random_psm(cfg: ModelConfig, plan: StagePlan, num_layers: int = 2) -> "PSMConfig":
-    """The random PSM `spd` runs without a trained one (the drafter registry's `random_config`)."""
-    from spd_jax.drafters.psm import PSMConfig  # Flax: only when a PSM is counted
-
-    return PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers)
+    """The random PSM `spd` runs without a trained one (its kind's `random_config`)."""
+    return _drafter_kinds().PSM.random_config(cfg, plan, num_layers)
 
 
 def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int = 2, plan: StagePlan | None = None,
@@ -126,7 +127,7 @@ def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int 
     psm = random_psm(cfg, plan) if psm is None else psm
     most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in (ATTENTION, LINEAR)}
     layers = sum(most[k] * _layer_params(cfg, k) for k in schema.layer_kinds(cfg)) * param_bytes
-    psm_w = psm_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
+    psm_w = drafter_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
     devices = n + own_device
     rows = heads == "rows" or (heads == "auto" and cfg.vocab_size % devices == 0)
     return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if rows else 1), psm_w,
@@ -176,7 +177,7 @@ def train_device_bytes(cfg: ModelConfig, spec: "PSMConfig", model_devices: int, 
     V = spec.draft_vocab or cfg.vocab_size
     head_rows = V if spec.draft_vocab else -(-V // model_devices)
     return DeviceBytes(layers * compute_bytes, heads * compute_bytes,
-                       4 * 4 * psm_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
+                       4 * 4 * drafter_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
 
 
 def memory_table(names: list[str], ns: list[int], contexts: list[int], param_bytes: int = 2) -> list[dict]:

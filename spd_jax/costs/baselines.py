@@ -1,7 +1,7 @@
 """The baselines' steps on the cost model's terms: `ar` (one device), `tp` (one step over n devices as
 `sharding.TP_RULES` places the model, with its all-reduces) and one round of the EAGLE-3-style chain
 (`predict_eagle3`), each counted from FLOPs and bytes per part like the SPD cycle in
-`spd_jax.pipeline.costs`, which builds on `tp_layer_cost` for stages split over a `model` axis.
+`spd_jax.costs.cycle`, which builds on `tp_layer_cost` for stages split over a `model` axis.
 Numbers only: nothing runs or compiles here.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.models import schema
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
-from spd_jax.pipeline.hardware import Hardware
+from spd_jax.costs.hardware import Hardware
 from spd_jax.sharding import MODEL, TP_RULES, logical_spec
 
 SCALAR_BYTES = 4  # an int32 / float32 decision value
@@ -102,11 +102,11 @@ def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int 
       rows; weights and caches read once, FLOPs times k + 1);
     - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
     The drafter's layer is the standard EAGLE-3 layer (`drafters.eagle3.DraftLayer`), q/k/v reading [2H]."""
-    from spd_jax.drafters.eagle3 import Eagle3Config  # the drafter (Flax): only when counted
-
     H, rows, pb = cfg.hidden_size, k + 1, param_bytes
-    spec = Eagle3Config.for_target(cfg, draft_vocab=draft_vocab)  # the default feature layers
-    m, cost = len(spec.layers), _drafter_kinds().EAGLE3.cost
+    kind = _drafter_kinds().EAGLE3
+    # the default feature layers, over a draft vocabulary of draft_vocab rows (0 or V: the whole)
+    spec = dataclasses.replace(kind.random_config(cfg), draft_vocab=0 if draft_vocab == cfg.vocab_size else draft_vocab)
+    m, cost = len(spec.layers), kind.cost
     step_layer, d_head = cost(cfg, spec, context, pb)  # one draft step: the layer on one row, the head
     commit_layer, _ = cost(cfg, spec, context, pb, rows=rows)
 
