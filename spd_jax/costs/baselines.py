@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models import schema
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
 from spd_jax.costs.hardware import Hardware
+from spd_jax.models.kinds import KINDS
 from spd_jax.sharding import MODEL, TP_RULES, logical_spec
 
 SCALAR_BYTES = 4  # an int32 / float32 decision value
@@ -58,10 +59,9 @@ def tp_layer_cost(cfg: ModelConfig, kind: str, context: int, n: int, param_bytes
         if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes:  # a matmul operand
             full_mm, mm_flops = full_mm + 2 * size, mm_flops + 2 * size / (n if MODEL in split else 1)
             all_reduces += split[0] == MODEL
-    if kind == ATTENTION:
-        heads, kv = (MODEL in _tp_split((axis,), n, units) for axis in ("q_heads", "kv_heads"))
-    else:  # Gated DeltaNet: the conv channels by key-head group, the state by value heads
-        heads = kv = MODEL in _tp_split(("conv",), n, units) and MODEL in _tp_split(("v_heads",), n, units)
+    # the mixer's heads and its cache split where every axis of the kind's group is split (`tp_mixer_axes`:
+    # attention's query and KV heads; Gated DeltaNet's conv channels by key-head group and its value heads)
+    heads, kv = (all(MODEL in _tp_split((axis,), n, units) for axis in group) for group in KINDS[kind].tp_mixer_axes)
     rest = (full.flops - full_mm) / (n if heads else 1)  # the mixer's context or state FLOPs
     return LayerCost(kind, full.params, int(mm_flops + rest), int(weights * param_bytes),
                      int(full.state_bytes / (n if kv else 1))), all_reduces

@@ -47,8 +47,9 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Sequence
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
+from spd_jax.models.kinds import FULL_ATTENTION
 from spd_jax.costs.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_step
 from spd_jax.costs.hardware import (A100_GPT_FAST, H100_NVLINK, H200_NVLINK, PROFILES, TPU_V5E_ICI,  # noqa: F401
                                        TPU_V5P_ICI, Hardware)
@@ -166,8 +167,8 @@ def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, mode
     layers are full-attention layers of the target's kind under the same logical axes (`drafters.psm`), so
     `TP_RULES` splits them as the target's (`tp_layer_cost`), their FLOPs and cache by the same fractions; its
     projections read (None, "embed") axes, which no TP rule splits: whole on every device."""
-    full = kind_cost(cfg, ATTENTION, context, param_bytes, cache_bytes)
-    share, ars = tp_layer_cost(cfg, ATTENTION, context, model, param_bytes, cache_bytes)
+    full = kind_cost(cfg, FULL_ATTENTION.name, context, param_bytes, cache_bytes)
+    share, ars = tp_layer_cost(cfg, FULL_ATTENTION.name, context, model, param_bytes, cache_bytes)
     out, total = [], 0
     for c in body:
         if c.kind == "psm_layer":

@@ -91,11 +91,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from spd_jax.config import ATTENTION, LINEAR
 from spd_jax.models.costs import LayerCost
+from spd_jax.models.kinds import KINDS
 
 # the LayerCost kinds that pay `layer_s`: the model's layers and the drafters' (not heads, embeddings, projections)
-LAYER_KINDS = (ATTENTION, LINEAR, "psm_layer", "eagle3_layer")
+LAYER_KINDS = (*KINDS, "psm_layer", "eagle3_layer")
 COLLECTIVES = ("all_reduce", "all_gather", "ppermute")
 LATENCY_CLASSES = ("nccl", "one-shot")
 # NCCL's network constants (src/graph/tuning.cc, [NCCL net] above), the same for every GPU profile

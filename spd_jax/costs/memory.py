@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models import schema
+from spd_jax.config import ModelConfig
+from spd_jax.models import kinds, schema
+from spd_jax.models.decoder import CACHE_FIELD
+from spd_jax.models.kinds import FULL_ATTENTION, KINDS
 from spd_jax.costs.cycle import default_plan
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.sharding import MODEL, TP_RULES, TRAIN_RULES, logical_spec
@@ -56,6 +58,7 @@ class DeviceBytes:
     layers: int  # its layers' weights (a stage's stacks; a tensor-parallel shard of every layer, twice)
     heads: int  # embedding, final norm, LM head
     psm: int  # the PSM's weights (trained ones with their gradient and optimiser state in training)
+    # the layers' caches, one field per kind, named as `decoder.Cache` names them (`CACHE_FIELD`)
     kv: int  # attention KV cache
     linear: int  # Gated DeltaNet conv inputs and recurrent states (the SPD ring of n of each)
     psm_cache: int  # the PSM's KV cache
@@ -80,21 +83,12 @@ def _drafter_kinds():
     return registry
 
 
-def _layer_params(cfg: ModelConfig, kind: str) -> int:
-    return schema.param_count(schema.layer_schema(cfg, kind))
-
-
-def _kv_bytes(cfg: ModelConfig, layers: int, cache_len: int, cache_bytes: int, kv_split: int = 1) -> int:
-    """K and V of `layers` attention layers, batch 1, [Nkv / kv_split, S, D] each."""
-    return 2 * layers * (cfg.num_kv_heads // kv_split) * cache_len * cfg.head_dim * cache_bytes
-
-
-def _linear_bytes(cfg: ModelConfig, layers: int, ring: int, cache_bytes: int) -> int:
-    """Gated DeltaNet conv inputs [K-1, C] (cache dtype) and recurrent state [Hv, Dk, Dv] (float32), `ring` each."""
-    lc = cfg.linear
-    if lc is None or not layers:
-        return 0
-    return layers * ring * ((lc.conv_kernel - 1) * lc.conv_dim * cache_bytes + lc.num_v_heads * lc.k_dim * lc.v_dim * 4)
+def _caches(cfg: ModelConfig, layers: dict, cache_len: int, ring: int, cache_bytes: int,
+            split: dict | None = None) -> dict:
+    """The layers' caches by `DeviceBytes` field: layers[kind] layers of each kind (`LayerKind.cache_bytes`),
+    split[kind] ways (default whole)."""
+    return {CACHE_FIELD[name]: k.cache_bytes(cfg, layers.get(name, 0), cache_len, ring, cache_bytes,
+                                             (split or {}).get(name, 1)) for name, k in KINDS.items()}
 
 
 def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int:
@@ -125,15 +119,14 @@ def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int 
         raise ValueError(f"heads must be one of {HEADS}, got {heads!r}")
     plan = default_plan(cfg, n) if plan is None else plan
     psm = random_psm(cfg, plan) if psm is None else psm
-    most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in (ATTENTION, LINEAR)}
-    layers = sum(most[k] * _layer_params(cfg, k) for k in schema.layer_kinds(cfg)) * param_bytes
+    most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in KINDS}
+    layers = sum(most[k.name] * k.params(cfg) for k in kinds.of(cfg)) * param_bytes
     psm_w = drafter_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
     devices = n + own_device
     rows = heads == "rows" or (heads == "auto" and cfg.vocab_size % devices == 0)
     return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if rows else 1), psm_w,
-                       _kv_bytes(cfg, most[ATTENTION], cache_len, param_bytes),
-                       _linear_bytes(cfg, most[LINEAR], n, param_bytes),
-                       _kv_bytes(cfg, psm.num_layers, cache_len, param_bytes))
+                       psm_cache=FULL_ATTENTION.cache_bytes(cfg, psm.num_layers, cache_len, 1, param_bytes),
+                       **_caches(cfg, most, cache_len, n, param_bytes))
 
 
 def _sharded(shape: tuple[int, ...], axes: tuple, rules, mesh: AbstractMesh, units: dict) -> int:
@@ -147,8 +140,8 @@ def _layers_sharded(cfg: ModelConfig, rules, mesh: AbstractMesh) -> tuple[int, i
     units = schema.axis_units(cfg)
     g = schema.global_schema(cfg)
     heads = sum(_sharded(leaf.shape, leaf.axes, rules, mesh, units) for leaf in g.values())
-    layers = sum(cfg.layer_types.count(kind) * _sharded(leaf.shape, leaf.axes, rules, mesh, units)
-                 for kind in schema.layer_kinds(cfg) for leaf in schema.layer_schema(cfg, kind).values())
+    layers = sum(cfg.layer_types.count(kind.name) * _sharded(leaf.shape, leaf.axes, rules, mesh, units)
+                 for kind in kinds.of(cfg) for leaf in kind.schema(cfg).values())
     return layers, heads
 
 
@@ -156,11 +149,12 @@ def tp_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int =
     """One device of `tp` over n devices (n = 1: `ar`): its shards, the layers twice (the per-layer decode copy)."""
     mesh = AbstractMesh((n,), (MODEL,))
     layers, heads = _layers_sharded(cfg, TP_RULES, mesh)
-    kv_split = n if cfg.num_kv_heads % n == 0 else 1
-    lin_split = n if cfg.linear is not None and cfg.linear.num_k_heads % n == 0 else 1  # then Hv too: Hk divides Hv
-    return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0,
-                       _kv_bytes(cfg, cfg.num_attention_layers, cache_len, param_bytes, kv_split),
-                       _linear_bytes(cfg, cfg.num_linear_layers, 1, param_bytes) // lin_split, 0)
+    units = schema.axis_units(cfg)
+    # a kind's cache splits n ways where TP_RULES split every axis of its group (`LayerKind.tp_mixer_axes`)
+    split = {k.name: n if all(MODEL in tuple(logical_spec((a,), TP_RULES, mesh, units)) for a in k.tp_mixer_axes[1])
+             else 1 for k in kinds.of(cfg)}
+    return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0, psm_cache=0,
+                       **_caches(cfg, {k: cfg.layer_types.count(k) for k in KINDS}, cache_len, 1, param_bytes, split))
 
 
 def ar_device_bytes(cfg: ModelConfig, cache_len: int, param_bytes: int = 2) -> DeviceBytes:

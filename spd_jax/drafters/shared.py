@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, init_kv_cache
+from spd_jax.models.kinds import FULL_ATTENTION
 from spd_jax.models.layers import rope_cos_sin
 
 SIGNATURE_FIELDS = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
@@ -180,7 +181,7 @@ def attention_layers(module: nn.Module, cfg: ModelConfig, num_layers: int, per_l
     """Declare (from a module's setup) a drafter's Ls full-attention layers of cfg's kind as params
     `layer_<leaf>`: stacked [Ls, ...] with logical axes, or per_layer a tuple of Ls [...] buffers."""
     out = {}
-    for k, leaf in schema.layer_schema(cfg, ATTENTION).items():
+    for k, leaf in FULL_ATTENTION.schema(cfg).items():
         init = schema.initializer(leaf, cfg)
         if per_layer:  # the engine's, made by splitting a stacked module's variables; a key per layer regardless
             out[k] = module.param(f"layer_{k}", lambda key, shape, init=init: tuple(
@@ -213,13 +214,13 @@ def run_attention_layers(layers: dict, x: jax.Array, cache, pos: jax.Array, cfg:
     """x [B, T, H] at positions [pos, pos+T) through the layers over their cache -> (x, cache with the rows
     written), in either layout (the cache's matches the layers')."""
     if isinstance(cache, KVCache):  # stacked: one scan
-        kinds = (ATTENTION,) * cache.k.shape[0]
-        x, c, _ = decoder.run_layers({ATTENTION: layers}, x, decoder.Cache(cache, None), pos, cfg, kinds,
-                                     length=length)
-        return x, c.kv
+        name = FULL_ATTENTION.name
+        x, c, _ = decoder.run_layers({name: layers}, x, decoder.cache_of(name, cache), pos, cfg,
+                                     (name,) * cache.k.shape[0], length=length)
+        return x, decoder.kind_cache(c, name)
     cos, sin = rope_cos_sin(cfg, pos + jnp.arange(x.shape[1]))
     out = []
     for i, c in enumerate(cache):
-        x, c = decoder.attention_block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
+        x, c = FULL_ATTENTION.block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
         out.append(c)
     return x, tuple(out)
