@@ -215,6 +215,74 @@ def test_no_module_over_the_size_limit():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# layer kinds: objects in spd_jax/models/ (`models.kinds`), asked, never named, outside it
+
+# the library modules outside spd_jax/models/ that may name a layer kind (`ATTENTION`, `LINEAR`): config.py
+# defines the names and reads them from HF configs. docs/design.md ("where to change what") states the bound.
+MAX_KIND_NAMERS = 3
+KIND_NAMES = re.compile(r"\b(ATTENTION|LINEAR)\b")
+
+
+def kind_namers() -> list[str]:
+    """The library modules outside spd_jax/models/ whose source names a layer kind (as `grep -w` finds it)."""
+    return sorted(path.relative_to(ROOT).as_posix() for mod, path in _sources().items()
+                  if _top(mod) == "spd_jax" and not mod.startswith("spd_jax.models")
+                  and KIND_NAMES.search(path.read_text()))
+
+
+def test_layer_kinds_are_named_only_inside_models():
+    found = kind_namers()
+    assert len(found) <= MAX_KIND_NAMERS and found == ["spd_jax/config.py"], (
+        "library modules outside spd_jax/models/ naming a layer kind (iterate `models.kinds.KINDS` or ask the "
+        "kind object instead): " + ", ".join(found))
+
+
+def residual_blocks(source: str) -> list[str]:
+    """The functions (qualified names) of a module that run a layer's MLP half themselves: a call of `mlp` or
+    a read of an `mlp_norm` weight. Only `residual_block` may."""
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                visit(child, scope + [getattr(child, "name", "<lambda>")])
+                continue
+            call = isinstance(child, ast.Call) and isinstance(child.func, (ast.Name, ast.Attribute)) and \
+                (getattr(child.func, "id", None) or getattr(child.func, "attr", None)) == "mlp"
+            norm = isinstance(child, ast.Subscript) and isinstance(child.slice, ast.Constant) and \
+                child.slice.value == "mlp_norm"
+            if (call or norm) and ".".join(scope) not in found:
+                found.append(".".join(scope))
+            visit(child, scope)
+
+    visit(ast.parse(source), [])
+    return found
+
+
+def test_one_residual_block_definition():
+    """The pre-norm residual block (mixer, then MLP, each over a norm, each added) is written once,
+    `models.layers.residual_block`, which the decoder's kinds, the PSM, PPSD and EAGLE-3 call."""
+    found = [f"{path.relative_to(ROOT).as_posix()}:{fn}" for mod, path in _sources().items()
+             if _top(mod) in PACKAGES for fn in residual_blocks(path.read_text())]
+    assert found == ["spd_jax/models/layers.py:residual_block"], found
+
+
+def test_the_residual_block_scan_catches_each_form():
+    src = """
+def a(lp, x, cfg):
+    return x + mlp(lp, rms_norm(x, lp["mlp_norm"], 1e-6), cfg)
+class M:
+    def b(self, lp, y):
+        return layers.mlp(lp, y, None)
+    def c(self, lp):
+        return lp["mlp_norm"]
+def ok(lp):
+    return lp["attn_norm"], mlp_size(lp)
+"""
+    assert residual_blocks(src) == ["a", "M.b", "M.c"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # method and drafter names: compared only inside their registries
 
 # what a method or a drafter kind does is an attribute of its object (`spd_jax.methods`,
