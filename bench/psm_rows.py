@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import spd_jax
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 from spd_jax.models.costs import psm_costs
-from spd_jax.pipeline.costs import default_plan
+from spd_jax.costs.cycle import default_plan
 
 
 def _median_ms(fn, *args, iters: int = 30) -> float:

@@ -11,7 +11,7 @@ loads it itself, as its method's CLI would: `spd` onto n stage devices (`STAGE_R
 its stage's layers), `ar` whole on one device, `tp` split over n devices (`TP_RULES`), `train` on a 1 x 1
 mesh (on host devices a replicated PSM and optimiser state would be held n times; `TRAIN_RULES` otherwise).
 Per phase: peak resident memory of the process (VmHWM: JAX's start-up, the load and the run) against the
-planner's figure for it (`pipeline.memory`: n host devices hold n devices' bytes, plus what the phase keeps
+planner's figure for it (`costs.memory`: n host devices hold n devices' bytes, plus what the phase keeps
 beside them), the bytes the busiest device holds after the run against the planner's weights per device,
 compile time, and time per token (prefill included for `spd`; the decode loop alone for `ar`/`tp`) or per
 step. Checks: the greedy tokens of `spd` and `tp` equal `ar`'s, or part from them only at a near tie (ar's top-2 logit
@@ -50,7 +50,7 @@ from spd_jax.convert.random import write_random_checkpoint
 from spd_jax.decode.ar import CACHE_BUCKET, PROMPT_BUCKET, round_up
 from spd_jax.decode.pipelined import engine_cache_len, plan_for
 from spd_jax.drafters.psm import PSMConfig
-from spd_jax.pipeline import memory
+from spd_jax.costs import memory
 from spd_jax.sharding import data_model_mesh, put, request_cpu_devices
 
 PHASES = ("spd", "ar", "tp", "train")

@@ -11,10 +11,10 @@ Measures, in one run:
   ratio           spd_cycle_ms / ar_step_ms
   collectives     per cycle, by kind: those in the body of the compiled decode loop (`profile.loop_collectives`),
                   for greedy spd and pipeline and sampled spd
-and the cycle profile (spd_jax.pipeline.profile): each stage, the PSM body, one vocabulary shard of
+and the cycle profile (spd_jax.costs.profile): each stage, the PSM body, one vocabulary shard of
 the PSM head and of verification, the collectives. Per device, the busy time per cycle with the PSM
 body on the last stage (`--psm-placement last`; its stage and one shard of each head): measured
-(each part timed on its own), and predicted by the cost model (spd_jax.pipeline.costs) fitted to this
+(each part timed on its own), and predicted by the cost model (spd_jax.costs.cycle) fitted to this
 CPU, for the current stage plan and for the device-aware plan (an opt-in: pass its counts to
 `infer.generate --stages`; the shipped PSM is tied to the default plan); with max/mean imbalance.
 On a CPU host the n "devices" share its cores: were they to run one after another, a cycle would cost
@@ -44,8 +44,8 @@ from spd_jax import methods
 from spd_jax.decode.pipelined import plan_for
 from spd_jax.drafters.kind import Form
 from spd_jax.drafters.psm import PSMConfig, read_spec
-from spd_jax.pipeline import calibration, costs
-from spd_jax.pipeline.profile import loop_collectives, profile_cycle
+from spd_jax.costs import calibration, cycle
+from spd_jax.costs.profile import loop_collectives, profile_cycle
 from spd_jax.sharding import request_cpu_devices
 
 
@@ -149,43 +149,43 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
     ctx = prof["context"]
 
     def plans(hw, context, param_bytes, heads):
-        busy = costs.device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
-        aware, aware_busy = costs.device_aware_plan(cfg, n, psm_cfg, hw, context, param_bytes, heads)
+        busy = cycle.device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
+        aware, aware_busy = cycle.device_aware_plan(cfg, n, psm_cfg, hw, context, param_bytes, heads)
         return dict(current=dict(stage_layers=list(plan.counts), busy_ms=[1e3 * b for b in busy],
-                                 imbalance=costs.imbalance(busy)),
+                                 imbalance=cycle.imbalance(busy)),
                     device_aware=dict(stage_layers=list(aware.counts), busy_ms=[1e3 * b for b in aware_busy],
-                                      imbalance=costs.imbalance(aware_busy))), aware
+                                      imbalance=cycle.imbalance(aware_busy))), aware
 
     predicted, _ = plans(cpu, ctx, cpu_bytes, "sharded")
     # validation on this host: each measured part against the fitted model (in-sample: the fit used them),
     # and two figures it did not use: the AR step, and the SPD cycle as the SUM of the parts (serial here)
-    cc = costs.cycle_costs(cfg, plan, psm_cfg, ctx, cpu_bytes)
+    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, cpu_bytes)
     fit_parts = dict(stage_ms=[1e3 * cpu.part_s(st) for st in cc.stages], psm_ms=1e3 * cpu.part_s(cc.psm_body),
                      psm_head_ms=1e3 * cpu.part_s([cc.psm_head_shard]), verify_ms=1e3 * cpu.part_s([cc.head_shard]),
-                     comm_ms=1e3 * costs.comm_s(cc, cpu))
-    cpu_pred = costs.predict(cfg, n, psm_cfg, cpu, ctx, S0, plan, cpu_bytes)
+                     comm_ms=1e3 * cycle.comm_s(cc, cpu))
+    cpu_pred = cycle.predict(cfg, n, psm_cfg, cpu, ctx, S0, plan, cpu_bytes)
     validation = dict(parts_predicted=fit_parts, ar_step_ms_predicted=1e3 * cpu_pred["ar_step_s"],
                       spd_cycle_serial_ms_predicted=1e3 * (sum(cpu_pred["device_busy_s"]) + cpu_pred["spd_comm_s"]))
     projections = []
-    for hw, context, pb in ((cpu, ctx, cpu_bytes), (costs.H200_NVLINK, project_context, 2),
-                            (costs.TPU_V5E_ICI, project_context, 2)):
+    for hw, context, pb in ((cpu, ctx, cpu_bytes), (cycle.H200_NVLINK, project_context, 2),
+                            (cycle.TPU_V5E_ICI, project_context, 2)):
         rows = {}
         for heads in ("last", "sharded"):
             _, aware = plans(hw, context, pb, heads)
-            now = costs.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, heads=heads)
+            now = cycle.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, heads=heads)
             # the same acceptance rate (alpha) on the other plan
-            alt = costs.predict(cfg, n, psm_cfg, hw, context, S0, aware, pb, alpha=now["alpha"], heads=heads)
+            alt = cycle.predict(cfg, n, psm_cfg, hw, context, S0, aware, pb, alpha=now["alpha"], heads=heads)
             rows[f"heads_{heads}"] = dict(current=now, device_aware=alt)
         # where the PSM body runs (sharded heads, the current plan, the same alpha): the last stage, the
         # stage the cost model picks (the engine's default), a device of its own (n + 1 devices)
-        best, _ = costs.best_psm_device(cfg, plan, psm_cfg, hw, context, pb)
-        rows["psm_placement"] = {name: costs.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, psm_device=d)
+        best, _ = cycle.best_psm_device(cfg, plan, psm_cfg, hw, context, pb)
+        rows["psm_placement"] = {name: cycle.predict(cfg, n, psm_cfg, hw, context, S0, plan, pb, psm_device=d)
                                  for name, d in (("last stage", n - 1), (f"stage {best} (auto)", best),
                                                  (f"own device ({n + 1} devices)", n))}
         projections.append(dict(hardware=dataclasses.asdict(hw), **rows,
                                 label="fitted here; projection for n such devices in parallel" if not hw.projection
                                 else "projection: " + hw.assumes))
-    return dict(busy=dict(measured_ms=measured, measured_imbalance=costs.imbalance(measured),
+    return dict(busy=dict(measured_ms=measured, measured_imbalance=cycle.imbalance(measured),
                           includes="per device per cycle, the engine's placement: its stage's layers (profile "
                                    "stage_ms) + one shard of the verification and PSM heads; the last stage also "
                                    "the PSM body; collectives excluded (all devices take part)"),

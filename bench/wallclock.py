@@ -19,7 +19,7 @@ collective + the result's copy to the host; compilation excluded, ahead of time)
 worktree at an older commit, say), right after this one's: a before/after of a change in one run, each
 row's "vs ar" against its own checkout's ar.
 
-Prediction: the cost model (`spd_jax.pipeline.costs.predict`, decode only) with this machine's
+Prediction: the cost model (`spd_jax.costs.cycle.predict`, decode only) with this machine's
 profile: per-part times fitted from `profile_cycle` run pinned to one core (one core = one device), and
 the link from gloo collectives timed between two one-core processes; at the spd run's measured alpha.
 """
@@ -47,8 +47,8 @@ from spd_jax.datasets import read_benchmark
 from spd_jax.decode.pipelined import plan_for
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.methods import METHODS
-from spd_jax.pipeline import calibration, costs
-from spd_jax.pipeline.profile import profile_cycle
+from spd_jax.costs import calibration, cycle
+from spd_jax.costs.profile import profile_cycle
 from spd_jax.progress import progress_bar
 from spd_jax.sharding import STAGE, request_cpu_devices, stage_mesh, vary
 
@@ -168,7 +168,7 @@ def predictions(args, prof: dict, link: dict, alpha: float) -> dict:
         link_bytes_per_s=bw,
         assumes=fitted.assumes.split("; link:")[0] + f"; link measured between two one-core processes (gloo): "
                 f"{1e6 * latency:.0f} us per collective (scalar all-reduce), {bw / 1e6:.0f} MB/s from a [H] permute")
-    p = costs.predict(cfg, 2, psm_cfg, hw, prof["context"], S0=0.0, plan=plan, param_bytes=4, alpha=alpha)
+    p = cycle.predict(cfg, 2, psm_cfg, hw, prof["context"], S0=0.0, plan=plan, param_bytes=4, alpha=alpha)
     return {"ar, 1 core": 1 / p["ar_step_s"], "tp n=2, 2 processes": 1 / p["tp_step_s"],
             "pipeline n=2, 2 processes": 1 / p["pipeline_token_s"], "spd n=2, 2 processes": alpha / p["spd_cycle_s"],
             "_hardware": dataclasses.asdict(hw), "_includes": p["includes"], "_alpha": alpha}

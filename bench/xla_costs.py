@@ -7,7 +7,7 @@ Parts, each compiled for one token at a cache of --context positions (the cache 
   stage s        the engine's stage program as device s runs it (`stages.stage_forward` on its per-layer buffers,
                  its slot table a constant, so each slot's `lax.switch` is the branch it takes; its caches donated,
                  as the engine's loop carries them) against `models.costs.layer_costs` summed over stage s's layers;
-                 and "its layers": each compiled alone at a static kind (`decoder.attention_layer`, `linear_layer`)
+                 and "its layers": each compiled alone at a static kind (`LayerKind.layer` of `models.kinds`)
   verify shard   final norm + one device's ceil(V / n) rows of the LM head, as the engine reads them (its
                  block where the head is split by rows, else a slice of the whole head), against `head_cost`
   psm body       the random PSM's draft over the n + 1 rows of a full pipeline as the engine runs it (`PSMDrafter`:
@@ -31,9 +31,10 @@ from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
+from spd_jax.models.kinds import KINDS
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline import stages
-from spd_jax.pipeline.costs import cycle_costs, default_plan
+from spd_jax.costs.cycle import cycle_costs, default_plan
 
 NOTES = {
     "bf16": "a one-row bf16 dot runs as two rows on CPU (`layers.low_precision_dot`: XLA:CPU's bf16 kernel needs two; "
@@ -66,13 +67,13 @@ def layer_program(cfg: ModelConfig, kind: str, context: int, dtype, rows: int = 
 
         def attn(lp, k, v, x, pos):
             cos, sin = rope_cos_sin(cfg, pos + jnp.arange(rows))
-            return decoder.attention_layer(lp, x, k, v, pos, cos, sin, cfg)
+            return KINDS[kind].layer(lp, x, k, v, pos, cos, sin, cfg)
 
         return _cost(attn, lp, kv, kv, x, pos)
     lc = cfg.linear
     conv = _sds((1, lc.conv_kernel - 1, lc.conv_dim), dtype)
     ssm = _sds((1, lc.num_v_heads, lc.k_dim, lc.v_dim), jnp.float32)
-    return _cost(lambda lp, x, conv, ssm: decoder.linear_layer(lp, x, conv, ssm, None, cfg), lp, x, conv, ssm)
+    return _cost(lambda lp, x, conv, ssm: KINDS[kind].layer(lp, x, conv, ssm, None, cfg), lp, x, conv, ssm)
 
 
 def stage_program(cfg: ModelConfig, layout: stages.StageLayout, context: int, dtype, stage: int) -> dict:

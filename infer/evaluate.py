@@ -26,7 +26,7 @@ records its drafter's content (`drafter_id`, `store.content_id` of the checkpoin
 untrained one), and rows of another one are computed again and not pooled with the new ones;
 DIR/commands.txt lists the commands that made them. DIR/results.md holds the pooled tables, with the
 cost model's projected wall-clock speedup on the H200 and TPU v5e profiles
-(`spd_jax.pipeline.costs`) at each row's measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and
+(`spd_jax.costs.cycle`) at each row's measured acceptance; DIR/s0_vs_n.png, DIR/speed_vs_n.png and
 DIR/cycle_breakdown.png the plots. Each row says what its timing includes.
 
 This module runs the rows; the tables, projections and plots are `spd_jax.reports`' (which the cards use

@@ -1,5 +1,5 @@
 """The cost model's hardware profiles reproduce the published measurements they cite
-(`spd_jax.pipeline.calibration`: gpt-fast's Llama-2-7B tensor-parallel curve on 8 x A100, vLLM's batch-1
+(`spd_jax.costs.calibration`: gpt-fast's Llama-2-7B tensor-parallel curve on 8 x A100, vLLM's batch-1
 Qwen3-8B latency on one H100, a measured TPU v5e all-gather), through the same formulas the projections
 use, within TOLERANCE; and the profiles as they were before the calibration (no per-layer cost, 100% of
 peak bandwidth, 5 us per collective) miss them, so these checks can fail. Numbers only: nothing compiles.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spd_jax.pipeline import calibration
-from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_NVLINK, H200_NVLINK, TPU_V5E_ICI
+from spd_jax.costs import calibration
+from spd_jax.costs.hardware import A100_GPT_FAST, H100_NVLINK, H200_NVLINK, TPU_V5E_ICI
 from spd_jax.reports.projections import projections_markdown
 
 TOLERANCE = 0.10  # relative, on every figure
@@ -102,7 +102,7 @@ def test_latency_classes_and_nodes():
     """One-shot: one fixed latency inside a node, up to its device limit (PCIe: 2), NCCL's model elsewhere;
     across nodes NCCL's ring with the network on the steps that cross, or its tree where lower (NVIDIA/nccl
     src/graph/tuning.cc); TPU has one class."""
-    from spd_jax.pipeline.hardware import H100_ETH, H100_IB, L40S_PCIE, TPU_V5E_ICI
+    from spd_jax.costs.hardware import H100_ETH, H100_IB, L40S_PCIE, TPU_V5E_ICI
 
     one = H100_NVLINK.with_latency("one-shot")
     assert [one.latency_s("all_reduce", d) for d in (2, 8)] == [4.5e-6, 4.5e-6]

@@ -1,5 +1,5 @@
 """The cost models: per layer / head / embedding / PSM counts equal the weights the model holds, layer
-kinds order sensibly; the per-cycle model (`spd_jax.pipeline.costs`) behaves as its formulas say, its
+kinds order sensibly; the per-cycle model (`spd_jax.costs.cycle`) behaves as its formulas say, its
 CPU fit recovers a known machine, and the balancer with fixed per-stage work is the brute-force optimum."""
 
 import dataclasses
@@ -15,12 +15,12 @@ from spd_jax.drafters import registry
 from spd_jax.drafters.eagle3 import Eagle3Config
 from spd_jax.drafters.psm import PSMConfig, init_psm
 from spd_jax.models.costs import embed_cost, head_cost, layer_costs, psm_costs
-from spd_jax.pipeline import baselines as base
-from spd_jax.pipeline import calibration as calib
-from spd_jax.pipeline import costs as cyc
-from spd_jax.pipeline import factorisations as fz
+from spd_jax.costs import baselines as base
+from spd_jax.costs import calibration as calib
+from spd_jax.costs import cycle as cyc
+from spd_jax.costs import factorisations as fz
 from spd_jax.pipeline.partition import StagePlan, balanced
-from spd_jax.pipeline.profile import profile_cycle
+from spd_jax.costs.profile import profile_cycle
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5"])
@@ -357,7 +357,7 @@ def test_mesh_nodes_and_the_best_tp_stays_in_a_node():
     """Devices fill nodes `model` fastest: a 4 x 4 mesh on 8-GPU nodes keeps each model group in a node and
     spans two along `stage`; on two InfiniBand nodes the best pure tp is 8 GPUs in one node (16 across both
     pays the network on every layer), and spd may use all 16."""
-    from spd_jax.pipeline.hardware import H100_IB as ib
+    from spd_jax.costs.hardware import H100_IB as ib
     assert cyc.mesh_nodes(ib, 4, 4) == dict(model=1, stage=2, all=2, permute=2)
     assert cyc.mesh_nodes(ib, 8, 1) == dict(model=1, stage=1, all=1, permute=1)
     assert cyc.mesh_nodes(cyc.H100_NVLINK, 16, 1)["stage"] == 1

@@ -11,7 +11,7 @@ from spd_jax import methods
 from spd_jax.config import ModelConfig
 from spd_jax.drafters import registry
 from spd_jax.drafters.kind import DrafterRef, Form, Training
-from spd_jax.pipeline.costs import default_plan
+from spd_jax.costs.cycle import default_plan
 from train.config import DrafterConfig
 
 

@@ -1,4 +1,4 @@
-"""The memory planner (`spd_jax.pipeline.memory`) against the arrays the engine really places: bytes per
+"""The memory planner (`spd_jax.costs.memory`) against the arrays the engine really places: bytes per
 device, part by part, on host devices."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.convert.random import write_random_checkpoint
 from spd_jax.decode import pipelined
 from spd_jax.methods import tp_runtime
-from spd_jax.pipeline import memory, stages
+from spd_jax.costs import memory
+from spd_jax.pipeline import stages
 from spd_jax.sharding import STAGE_RULES, TP_RULES, model_mesh, stage_mesh
 
 
@@ -71,6 +72,37 @@ def test_rows_split_the_heads_and_the_table_covers_both_chips():
     assert set(k for k in table[0] if k.startswith("fits")) == {f"fits {c}" for c in memory.DEVICE_MEMORY}
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3_5", "tiny-llama"])
+def test_drafter_params_are_the_real_drafters_weights(name):
+    """The memory model's drafter weights (`DrafterKind.params`) equal the parameters of a real drafter made by
+    its kind's init, for each kind and each option that adds weights: the PSM's anchor gains, q/k norms, a
+    draft vocabulary's head and its own head; EAGLE-3's and PPSD's draft vocabulary. A head that is the
+    target's (a shared one, no draft vocabulary) is not the drafter's."""
+    import dataclasses
+
+    import numpy as np
+
+    from spd_jax.costs.cycle import default_plan
+    from spd_jax.drafters import registry
+    from spd_jax.models.schema import init_params
+
+    cfg = ModelConfig.named(name)
+    plan = default_plan(cfg, 2)
+    target = init_params(cfg, jax.random.key(0))
+    psm = registry.PSM.random_config(cfg, plan, 2)
+    cases = [(registry.PSM, psm), (registry.PSM, dataclasses.replace(psm, anchor_norm=True, qk_norm=True)),
+             (registry.PSM, dataclasses.replace(psm, draft_vocab=40)), (registry.PSM, dataclasses.replace(psm, own_head=True))]
+    for kind in (registry.EAGLE3, registry.PPSD):
+        spec = kind.random_config(cfg, plan, 1)
+        cases += [(kind, spec), (kind, dataclasses.replace(spec, draft_vocab=40))]
+    for kind, spec in cases:
+        ids = np.arange(spec.draft_vocab) * 3 if spec.draft_vocab else None
+        params = kind.init(cfg, spec, target, 0, vocab_ids=ids)["params"]
+        own = spec.draft_vocab or getattr(spec, "own_head", False)
+        held = sum(x.size for k, v in params.items() if k != "lm_head" or own for x in jax.tree.leaves(v))
+        assert memory.drafter_params(cfg, spec) == kind.params(cfg, spec) == held, (kind, spec)
+
+
 def test_a_random_psm_is_made_in_its_dtype_without_a_random_head():
     """The random PSM `spd` runs at Qwen3.5-4B's size, compiled from shapes alone: its programs make the body in
     bfloat16 and no [V, H] head (the target's replaces it), one top-level leaf per program, so no program's
@@ -80,7 +112,7 @@ def test_a_random_psm_is_made_in_its_dtype_without_a_random_head():
 
     from spd_jax.drafters.psm.kind import _init_boxed
     from spd_jax.drafters.shared import _random_leaves
-    from spd_jax.pipeline.costs import default_plan
+    from spd_jax.costs.cycle import default_plan
 
     cfg = ModelConfig.named("qwen3.5-4b")
     spec = memory.random_psm(cfg, default_plan(cfg, 8))
@@ -92,7 +124,7 @@ def test_a_random_psm_is_made_in_its_dtype_without_a_random_head():
         out += made.output_size_in_bytes
         assert made.temp_size_in_bytes <= 5 * 4 * leaf + (1 << 20), name  # its float32 values and random bits
         temp = max(temp, made.temp_size_in_bytes)
-    assert out == pytest.approx(memory.psm_params(cfg, spec) * 2, rel=1e-4)  # + a pointer table per program
+    assert out == pytest.approx(memory.drafter_params(cfg, spec) * 2, rel=1e-4)  # + a pointer table per program
     assert temp < 0.8e9
 
 

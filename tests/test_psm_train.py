@@ -86,8 +86,8 @@ def test_train_forward_equals_engine_draft_with_qk_norm(tiny_ckpt, tmp_path):
     spec = _check_train_equals_engine(model, 2, qk_norm=True)  # the option is in the layers only: n = 2 suffices
     v = _sensitive_psm(model, spec, seed=4)
     assert spec.qk_norm and v["params"]["layer_q_norm"].shape == (spec.num_layers, cfg.head_dim)
-    from spd_jax.pipeline import memory  # the memory model counts them
-    assert memory.psm_params(cfg, spec) == sum(x.size for x in jax.tree.leaves({**v["params"], "lm_head": ()}))
+    from spd_jax.costs import memory  # the memory model counts them
+    assert memory.drafter_params(cfg, spec) == sum(x.size for x in jax.tree.leaves({**v["params"], "lm_head": ()}))
     h = jax.random.normal(jax.random.key(1), (6, spec.m, cfg.hidden_size))
     types = jnp.asarray([4, 4, 3, 2, 1, 0])
     cache = init_kv_cache(cfg, spec.num_layers, 1, 8, jnp.float32)
@@ -163,7 +163,7 @@ def test_anchor_norm_is_a_training_option():
     """train.main's `anchor_norm=true` (off by default) reaches the spec the run trains."""
     from spd_jax.config import ModelConfig
     from spd_jax.drafters.psm import kind as psm_kind
-    from spd_jax.pipeline.costs import default_plan
+    from spd_jax.costs.cycle import default_plan
     from train.config import TrainConfig
 
     cfg = ModelConfig.named("tiny-llama")

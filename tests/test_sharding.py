@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spd_jax
-from spd_jax.models import schema
+from spd_jax.models import decoder, schema
 from spd_jax.pipeline import stages
 from spd_jax.sharding import (STAGE_RULES, TP_RULES, Placement, logical_spec, model_mesh, stage_mesh,
                               tree_shardings)
@@ -123,7 +123,6 @@ def test_stage_rules_put_each_stage_on_its_own_device(tiny_ckpt, model_type):
 def test_spd_places_one_target_head_for_the_psm_and_the_verification(tiny_ckpt, tie):
     """A PSM without a draft vocabulary reads the target's head: the stage mesh holds one copy of it per
     device (the shared weights'), not a second one for the PSM; a new placement drops the old PSM's."""
-    from spd_jax.models import decoder
 
     path, _ = tiny_ckpt("llama", tie)
     model = spd_jax.load_model(path)
@@ -143,6 +142,6 @@ def test_placement_is_hashable_and_pins_caches(tiny_ckpt):
     cfg = spd_jax.load_model(path).config
     pl = Placement(model_mesh(2), TP_RULES, tuple(schema.axis_units(cfg).items()))
     assert hash(pl) == hash(Placement(model_mesh(2), TP_RULES, tuple(schema.axis_units(cfg).items())))
-    sh = pl.shardings(schema.cache_axes(cfg))
+    sh = pl.shardings(decoder.cache_axes(cfg))
     kv_heads_split = cfg.num_kv_heads % 2 == 0
     assert sh.kv.k.spec == (P(None, None, "model") if kv_heads_split else P())

@@ -14,7 +14,7 @@ from spd_jax import methods
 from spd_jax.decode import pipelined
 from spd_jax.decode.compile_cache import CompileCache
 from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
-from spd_jax.pipeline.profile import loop_collectives
+from spd_jax.costs.profile import loop_collectives
 from spd_jax.drafters import psm
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
 from two_tokens import TwoTokens, warped
@@ -204,10 +204,10 @@ _HLO = {"ppermute": "collective-permute", "all_gather": "all-gather", "all_reduc
 @pytest.mark.parametrize("method,top_k", [("spd", 5), ("spd", None), ("pipeline", None)])
 def test_a_sampled_cycle_runs_what_the_cost_model_counts(tiny_ckpt, method, top_k):
     """A sampled cycle's collectives, as the engine compiles them, are what the cost model counts for it
-    (`pipeline.costs.collectives(sampled=True)`, which costs them): besides the greedy cycle's permute and
+    (`costs.cycle.collectives(sampled=True)`, which costs them): besides the greedy cycle's permute and
     packet all-gather, the draft's and the verification's draws, softmax reductions and filter candidates,
     and the chosen tokens' embedding rows (4 devices divide the vocabulary of 160: split by rows)."""
-    from spd_jax.pipeline import costs as cyc
+    from spd_jax.costs import cycle as cyc
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
     spd_jax.generate(model, PROMPT, 4, temperature=1.0, top_k=top_k, stop_at_eos=False, method=method, n=4,

@@ -150,6 +150,43 @@ def test_layers_import_downward_only(importer, forbidden):
     assert not bad, f"{importer} must not import {', '.join(forbidden)}: " + "; ".join(bad)
 
 
+# the library's layers, lowest first (docs/design.md's diagram): a module imports only modules of its own layer
+# or below. A name covers its package; the longest name that covers a module places it; `spd_jax` is the
+# package's own __init__ only.
+LAYERS = (
+    ("spd_jax.config", "spd_jax.progress", "spd_jax.datasets"),
+    ("spd_jax.models", "spd_jax.sharding", "spd_jax.convert"),  # convert: HF / GGUF / random checkpoints
+    ("spd_jax.distributed",),
+    ("spd_jax.drafters", "spd_jax.convert.eagle3"),  # eagle3: reads the drafter's weight schema
+    ("spd_jax.pipeline",),  # partition and stages
+    ("spd_jax.costs",),  # the analytic cost model, and the measured cycle profile it is fitted to
+    ("spd_jax.decode",),
+    ("spd_jax.methods", "spd_jax.api", "spd_jax"),
+    ("spd_jax.reports", "spd_jax.convert.reference_psm"),  # reference_psm: converts to a drafter, with its card
+)
+
+
+def layer_of(mod: str) -> int | None:
+    """The index in LAYERS of the longest name covering mod (`spd_jax` covers only itself), or None."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if mod == n or (n != "spd_jax" and mod.startswith(n + ".")):
+                if best is None or len(n) > len(best[1]):
+                    best = (i, n)
+    return None if best is None else best[0]
+
+
+def test_library_imports_its_own_layer_or_below():
+    graph = import_graph()
+    lib = [m for m in graph if _top(m) == "spd_jax"]
+    unplaced = sorted(m for m in lib if layer_of(m) is None)
+    assert not unplaced, "library modules in no layer of LAYERS: " + ", ".join(unplaced)
+    up = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})" for m in lib
+                for d in graph[m] if _top(d) == "spd_jax" and layer_of(d) > layer_of(m))
+    assert not up, "imports upward across the library's layers: " + "; ".join(up)
+
+
 def test_the_graph_reader_sees_imports_in_functions_and_relative_ones(tmp_path, monkeypatch):
     pkg = tmp_path / "spd_jax"
     (pkg / "sub").mkdir(parents=True)
@@ -175,6 +212,74 @@ def test_no_module_over_the_size_limit():
     sizes = {m: len(p.read_text().splitlines()) for m, p in _sources().items()}
     over = sorted(((n, m) for m, n in sizes.items() if n > MAX_MODULE_LINES), reverse=True)
     assert not over, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(f"{m} ({n})" for n, m in over)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# layer kinds: objects in spd_jax/models/ (`models.kinds`), asked, never named, outside it
+
+# the library modules outside spd_jax/models/ that may name a layer kind (`ATTENTION`, `LINEAR`): config.py
+# defines the names and reads them from HF configs. docs/design.md ("where to change what") states the bound.
+MAX_KIND_NAMERS = 3
+KIND_NAMES = re.compile(r"\b(ATTENTION|LINEAR)\b")
+
+
+def kind_namers() -> list[str]:
+    """The library modules outside spd_jax/models/ whose source names a layer kind (as `grep -w` finds it)."""
+    return sorted(path.relative_to(ROOT).as_posix() for mod, path in _sources().items()
+                  if _top(mod) == "spd_jax" and not mod.startswith("spd_jax.models")
+                  and KIND_NAMES.search(path.read_text()))
+
+
+def test_layer_kinds_are_named_only_inside_models():
+    found = kind_namers()
+    assert len(found) <= MAX_KIND_NAMERS and found == ["spd_jax/config.py"], (
+        "library modules outside spd_jax/models/ naming a layer kind (iterate `models.kinds.KINDS` or ask the "
+        "kind object instead): " + ", ".join(found))
+
+
+def residual_blocks(source: str) -> list[str]:
+    """The functions (qualified names) of a module that run a layer's MLP half themselves: a call of `mlp` or
+    a read of an `mlp_norm` weight. Only `residual_block` may."""
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                visit(child, scope + [getattr(child, "name", "<lambda>")])
+                continue
+            call = isinstance(child, ast.Call) and isinstance(child.func, (ast.Name, ast.Attribute)) and \
+                (getattr(child.func, "id", None) or getattr(child.func, "attr", None)) == "mlp"
+            norm = isinstance(child, ast.Subscript) and isinstance(child.slice, ast.Constant) and \
+                child.slice.value == "mlp_norm"
+            if (call or norm) and ".".join(scope) not in found:
+                found.append(".".join(scope))
+            visit(child, scope)
+
+    visit(ast.parse(source), [])
+    return found
+
+
+def test_one_residual_block_definition():
+    """The pre-norm residual block (mixer, then MLP, each over a norm, each added) is written once,
+    `models.layers.residual_block`, which the decoder's kinds, the PSM, PPSD and EAGLE-3 call."""
+    found = [f"{path.relative_to(ROOT).as_posix()}:{fn}" for mod, path in _sources().items()
+             if _top(mod) in PACKAGES for fn in residual_blocks(path.read_text())]
+    assert found == ["spd_jax/models/layers.py:residual_block"], found
+
+
+def test_the_residual_block_scan_catches_each_form():
+    src = """
+def a(lp, x, cfg):
+    return x + mlp(lp, rms_norm(x, lp["mlp_norm"], 1e-6), cfg)
+class M:
+    def b(self, lp, y):
+        return layers.mlp(lp, y, None)
+    def c(self, lp):
+        return lp["mlp_norm"]
+def ok(lp):
+    return lp["attn_norm"], mlp_size(lp)
+"""
+    assert residual_blocks(src) == ["a", "M.b", "M.c"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

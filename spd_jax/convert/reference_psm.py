@@ -56,13 +56,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from spd_jax.config import ATTENTION, WRAPPED, ModelConfig, named_config_names
+from spd_jax.config import WRAPPED, ModelConfig, named_config_names
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.drafters import store
 from spd_jax.drafters.psm import PSMConfig, init_psm, save_psm
 from spd_jax.drafters.psm.model import layer_config
 from spd_jax.models import schema
+from spd_jax.models.kinds import FULL_ATTENTION
 from spd_jax.reports.cards import converted_card
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def tensor_table(cfg: ModelConfig, spec: PSMConfig, rows: int) -> dict[str, Tens
         table[f"aggr_projs.{a}.weight"] = Tensor((H, (a + 1) * H),
                                                  (((f"proj_{a}", "kernel"), None, schema.TRANSPOSE.apply),))
     for i in range(spec.num_layers):
-        for k, leaf in schema.layer_schema(layer_config(cfg, spec), ATTENTION).items():
+        for k, leaf in FULL_ATTENTION.schema(layer_config(cfg, spec)).items():
             name = f"spec_layers.{i}.{leaf.hf}"
             puts = table[name].puts if name in table else ()
             table[name] = Tensor(leaf.hf_shape, puts + (((f"layer_{k}",), i, leaf.transform.apply),))

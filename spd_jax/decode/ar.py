@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.decode.sampling import choose
-from spd_jax.models import decoder, schema
+from spd_jax.models import decoder
+from spd_jax.models.kinds import KINDS
 from spd_jax.sharding import Placement
 
 PROMPT_BUCKET = 64
@@ -64,13 +65,13 @@ def prefill(params, prompt: jax.Array, prompt_len: jax.Array, sp: dict, *, cfg: 
     """
     cache = decoder.init_cache(cfg, 1, cache_len, params["embed"].dtype)
     if placement is not None:
-        cache = placement.constrain(cache, schema.cache_axes(cfg))
+        cache = placement.constrain(cache, decoder.cache_axes(cfg))
     x, cache, _ = decoder.run_layers(params["layers"], decoder.embed(params, prompt), cache,
                                      jnp.int32(0), cfg, length=prompt_len)
     last = jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)  # [1, 1, H]
     logits = decoder.lm_logits(params, last, cfg)[0, 0]
     if placement is not None:
-        cache = placement.constrain(cache, schema.cache_axes(cfg))
+        cache = placement.constrain(cache, decoder.cache_axes(cfg))
     return choose(logits, prompt_len, sp, greedy, filtered), decoder.split_cache(cache, cfg)
 
 
@@ -107,14 +108,6 @@ def decode_loop(layers, head, first: jax.Array, prompt_len: jax.Array, caches: l
     return out, n, caches
 
 
-def left_align(kv, shift: jax.Array):
-    """A prefilled KVCache k/v [B, 1, Nkv, S, D] (row b's prompt at slots [0, len_b)) -> [B, Nkv, S, D]
-    with row b moved right by shift[b] = P - len_b, so every prompt ends at slot P. What wraps round
-    to the front lies before the row's start and is masked."""
-    roll = jax.vmap(lambda t, s: jnp.roll(t, s, axis=1))  # per row, over the cache axis of [Nkv, S, D]
-    return type(kv)(roll(kv.k[:, 0], shift), roll(kv.v[:, 0], shift))
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len", "out_len"))
 def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, max_new: jax.Array,
                    eos_ids: jax.Array, sp: dict, seeds: jax.Array, *, cfg: ModelConfig, greedy: bool,
@@ -139,9 +132,8 @@ def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, m
 
     first, caches = jax.vmap(prefill_row)(prompts, prompt_lens, seeds)  # [B], per-row caches
     start = P - prompt_lens  # [B] each row's first valid slot once aligned
-    # recurrent states carry no positions: vmap's per-row [B, 1, R, 1, ...] becomes the batch axis [1, R, B, ...]
-    caches = [left_align(c, start) if kind == ATTENTION else jax.tree.map(lambda t: jnp.moveaxis(t[:, :, :, 0], 0, 2), c)
-              for kind, c in zip(cfg.layer_types, caches)]
+    # each layer's per-row caches -> one batch whose prompts end at slot P (`LayerKind.align_rows`)
+    caches = [KINDS[kind].align_rows(c, start) for kind, c in zip(cfg.layer_types, caches)]
     out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids) | (max_new <= 1)
     choose_rows = jax.vmap(lambda logits, pos, seed: choose(logits, pos, dict(sp, seed=seed), greedy, filtered))

@@ -25,7 +25,8 @@ from spd_jax.drafters.ppsd import PPSDDrafter
 from spd_jax.drafters.psm import PSMConfig, PSMDrafter
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
-from spd_jax.pipeline import costs, stages
+from spd_jax.costs import cycle
+from spd_jax.pipeline import stages
 from spd_jax.pipeline.partition import StagePlan, plan_stages
 from spd_jax.sharding import (MODEL, STAGE_RULES, STAGE_TP_RULES, Placement, logical_spec, put, stage_mesh,
                               stage_model_mesh)
@@ -90,8 +91,8 @@ def psm_device_for(model, plan: StagePlan, psm_cfg: PSMConfig, placement) -> int
     if placement == "own":
         return n
     if placement == "auto":
-        hw = costs.TPU_V5E_ICI if jax.default_backend() == "tpu" else costs.H200_NVLINK
-        return costs.best_psm_device(model.config, plan, psm_cfg, hw, context=1024,
+        hw = cycle.TPU_V5E_ICI if jax.default_backend() == "tpu" else cycle.H200_NVLINK
+        return cycle.best_psm_device(model.config, plan, psm_cfg, hw, context=1024,
                                      param_bytes=jnp.dtype(model.dtype).itemsize)[0]
     if isinstance(placement, (int, np.integer)) and not isinstance(placement, bool) and 0 <= placement < n:
         return int(placement)

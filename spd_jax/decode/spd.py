@@ -16,7 +16,7 @@ Placement (one device per stage; see SPD.md for the algorithm and notation):
   adds an all-reduce of the rows;
 - the PSM's layers run on one device (`lax.cond`): a stage (`psm_device`; the last when None; the
   host's default, placement "auto", is the stage whose placement gives the shortest predicted cycle,
-  busiest device + collectives, `pipeline.costs.best_psm_device`) or a device of its own (n + 1
+  busiest device + collectives, `costs.cycle.best_psm_device`) or a device of its own (n + 1
   devices, the paper's set-up; that device holds no layers, only its shards of the heads). Either way
   the PSM's draft starts from the states at the start of the cycle, not after that cycle's stage work (a
   drafter with `after_stage` set, PPSD's early-exit head, drafts after that stage's step instead, on its

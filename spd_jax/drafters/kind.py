@@ -82,8 +82,12 @@ class DrafterKind:
     # (cfg, config, context, param_bytes=2, cache_bytes=None, rows=None) -> [LayerCost] of one draft
     # (`spd_jax.models.costs`): weights and activations of param_bytes, cache elements of cache_bytes (None:
     # param_bytes), over `rows` rows (None: one draft's own, e.g. a PSM's full pipeline of n + 1). The one
-    # count of the drafter's costs: the cost model (`spd_jax.pipeline.costs`) reads it
+    # count of the drafter's costs: the cost model (`spd_jax.costs.cycle`) reads it
     cost: Callable[..., list]
+    # (cfg, config) -> the weights it holds of its own: every param its module declares but the LM head, and
+    # the head where it is its own (a draft vocabulary's rows, a head it trains), counted from the module's
+    # declared shapes (`drafters.shared.param_count`). The one count of its weights: the memory model reads it
+    params: Callable[[Any, Any], int]
     flag: str  # the CLI flag (infer.generate) that names a checkpoint of it
     train_fix: str  # how to get one for a model ({model}): the fix a refusal names
     training: Training  # what train/ asks of it

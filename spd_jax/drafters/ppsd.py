@@ -42,17 +42,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.base import anchor_states, join_params, teacher_forward
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_queries
 from spd_jax.drafters.shared import (DraftHead, attention_layers, check_target, init_layer_caches, logical_axes,
-                                     module_params, random_variables, run_attention_layers, sharded_head,
+                                     module_params, param_count, random_variables, run_attention_layers, sharded_head,
                                      split_layers, target_signature)
-from spd_jax.models import decoder, schema
+from spd_jax.models import decoder
 from spd_jax.models.attention import KVCache, init_kv_cache
 from spd_jax.models.costs import head_cost, kind_cost
+from spd_jax.models.kinds import FULL_ATTENTION, layers_of
 
 FORMAT = 1  # ppsd.json layout version
 KIND_NAME = "ppsd"
@@ -217,14 +218,15 @@ def init_ppsd(cfg: ModelConfig, spec: PPSDConfig, target_params: dict, seed: int
     SmolLM2 their first-batch KL is near a random layer's, a copy of the last layer's is far above both)."""
     out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PPSD head")
     if layers_from_target:
-        kinds = cfg.layer_types
-        after = [i for i, k in enumerate(kinds) if k == ATTENTION and i >= spec.exit][:spec.num_layers]
+        attn = layers_of(cfg, FULL_ATTENTION)  # the target's full-attention layers, in their stack's order
+        after = [i for i in attn if i >= spec.exit][:spec.num_layers]
         if len(after) < spec.num_layers:
             raise ValueError(f"layers_from_target: the PPSD head has {spec.num_layers} layers but the target only "
                              f"{len(after)} full-attention layers after its exit (layer {spec.exit}) to copy")
-        stack = [kinds[:i].count(ATTENTION) for i in after]  # their places in the target's attention stack
-        for k in schema.layer_schema(cfg, ATTENTION):  # copies: training donates the head's buffers
-            out["params"][f"layer_{k}"] = jnp.array(target_params["layers"][ATTENTION][k][jnp.asarray(stack)], dtype)
+        stack = [attn.index(i) for i in after]  # their places in the target's attention stack
+        for k in FULL_ATTENTION.schema(cfg):  # copies: training donates the head's buffers
+            out["params"][f"layer_{k}"] = jnp.array(
+                target_params["layers"][FULL_ATTENTION.name][k][jnp.asarray(stack)], dtype)
     return out
 
 
@@ -330,7 +332,7 @@ def _cost(cfg: ModelConfig, spec: PPSDConfig, context: int, param_bytes: int = 2
     """One draft -> [Ls layers, head]: the head's layers on `rows` rows (default 1: the newest token's), its
     KV cache of about `context` rows read once, then its head on one row (V' rows; the final norm is the
     target's)."""
-    layer = kind_cost(cfg, ATTENTION, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes,
+    layer = kind_cost(cfg, FULL_ATTENTION.name, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes,
                       1 if rows is None else rows)
     head = head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)
     return ([dataclasses.replace(layer, kind="ppsd_layer")] * spec.num_layers
@@ -383,6 +385,7 @@ KIND = DrafterKind(
     init=init_ppsd, check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, plan, where),
     random_config=lambda cfg, plan, num_layers=None: PPSDConfig.for_target(cfg, plan.counts),  # the reference's 1 layer
     shipped=lambda model_name, plan: shipped_ppsd(model_name, plan.n), misfit=_misfit, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab)),
     flag="--drafter", random_flag="--drafter random",
     train_fix="train a PPSD head for {model} (python -m train.main with method: ppsd, model: {model}) or use one "
               "trained for it",

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import KVCache, init_kv_cache
+from spd_jax.models.kinds import FULL_ATTENTION
 from spd_jax.models.layers import rope_cos_sin
 
 SIGNATURE_FIELDS = ("model_type", "hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads")
@@ -152,6 +153,14 @@ def random_variables(init_boxed: InitBoxed, cfg: ModelConfig, spec, target_param
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def param_count(init_boxed: InitBoxed, cfg: ModelConfig, spec, own_head: bool) -> int:
+    """The drafter's weights, from the shapes its module declares (`jax.eval_shape` of its init, no arrays):
+    every param but its `lm_head`, which counts only where the head is its own (own_head), not the target's."""
+    shapes = jax.eval_shape(lambda: nn.unbox(init_boxed(cfg, spec, 0))["params"])
+    return sum(t.size for k, v in shapes.items() if k != "lm_head" or own_head for t in jax.tree.leaves(v))
+
+
 def logical_axes(init_boxed: InitBoxed, cfg: ModelConfig, spec) -> dict:
     """The drafter's variables pytree with each leaf's logical axes (a tuple) in place of the array, for
     `spd_jax.sharding.tree_shardings` (a collection without boxes, e.g. `vocab` ids: replicated)."""
@@ -172,7 +181,7 @@ def attention_layers(module: nn.Module, cfg: ModelConfig, num_layers: int, per_l
     """Declare (from a module's setup) a drafter's Ls full-attention layers of cfg's kind as params
     `layer_<leaf>`: stacked [Ls, ...] with logical axes, or per_layer a tuple of Ls [...] buffers."""
     out = {}
-    for k, leaf in schema.layer_schema(cfg, ATTENTION).items():
+    for k, leaf in FULL_ATTENTION.schema(cfg).items():
         init = schema.initializer(leaf, cfg)
         if per_layer:  # the engine's, made by splitting a stacked module's variables; a key per layer regardless
             out[k] = module.param(f"layer_{k}", lambda key, shape, init=init: tuple(
@@ -205,13 +214,13 @@ def run_attention_layers(layers: dict, x: jax.Array, cache, pos: jax.Array, cfg:
     """x [B, T, H] at positions [pos, pos+T) through the layers over their cache -> (x, cache with the rows
     written), in either layout (the cache's matches the layers')."""
     if isinstance(cache, KVCache):  # stacked: one scan
-        kinds = (ATTENTION,) * cache.k.shape[0]
-        x, c, _ = decoder.run_layers({ATTENTION: layers}, x, decoder.Cache(cache, None), pos, cfg, kinds,
-                                     length=length)
-        return x, c.kv
+        name = FULL_ATTENTION.name
+        x, c, _ = decoder.run_layers({name: layers}, x, decoder.cache_of(name, cache), pos, cfg,
+                                     (name,) * cache.k.shape[0], length=length)
+        return x, decoder.kind_cache(c, name)
     cos, sin = rope_cos_sin(cfg, pos + jnp.arange(x.shape[1]))
     out = []
     for i, c in enumerate(cache):
-        x, c = decoder.attention_block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
+        x, c = FULL_ATTENTION.block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
         out.append(c)
     return x, tuple(out)

@@ -30,14 +30,19 @@ def init_kv_cache(cfg: ModelConfig, n_layers: int, batch: int, max_len: int, dty
 
 def project_qkv(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
     """x [B, T, H] (normed) at the positions cos/sin [T, R] were made for -> q [B, T, Nq, D],
-    k/v [B, T, Nkv, D], with q/k norm and RoPE applied (q not yet scaled)."""
+    k/v [B, T, Nkv, D], with q/k norm and RoPE applied (q not yet scaled). The one statement of attention's
+    projections: the layers of every path (prefill, decode step, the drafters' training forwards) use it."""
     B, T, _ = x.shape
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = dense(x, lp["wq"])
-    k = dense(x, lp["wk"])
-    v = dense(x, lp["wv"])
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if "w_qkv" in lp:  # `decoder.decode_layers`' fused projection: one matmul
+        qkv = dense(x, lp["w_qkv"])
+        if cfg.qkv_bias:
+            qkv = qkv + lp["b_qkv"]
+        q, k, v = qkv[..., :nq * d], qkv[..., nq * d:(nq + nkv) * d], qkv[..., (nq + nkv) * d:]
+    else:
+        q, k, v = dense(x, lp["wq"]), dense(x, lp["wk"]), dense(x, lp["wv"])
+        if cfg.qkv_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(B, T, nq, d)
     k = k.reshape(B, T, nkv, d)
     v = v.reshape(B, T, nkv, d)

@@ -1,5 +1,5 @@
 """Per-layer cost of decoding one token, for the stage partitioner and for roofline estimates; also the
-embedding, the LM head and the PSM's draft (the parts `spd_jax.pipeline.costs` times per SPD cycle).
+embedding, the LM head and the PSM's draft (the parts `spd_jax.costs.cycle` times per SPD cycle).
 
 A decode step is dominated by reading weights and caches (memory bound) on most hardware; prefill
 and training by FLOPs. Both are counted per layer so a partitioner can balance stages whose layers
@@ -12,8 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models import schema
+from spd_jax.models import kinds
+from spd_jax.models.kinds import FULL_ATTENTION, KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,25 +47,16 @@ def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 
     """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights
     and the cache are read once for the block (what a decode step or the PSM's per-cycle block does);
     FLOPs scale with the rows. Parameter counts and projection FLOPs come from the weight schema; the
-    mixers' context terms are added here."""
-    leaves = schema.layer_schema(cfg, kind)
-    params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves)
-    if kind == ATTENTION:
-        # scores and weighted values over the context, per query head
-        flops += 2 * 2 * cfg.num_heads * cfg.head_dim * context_len
-        state = 2 * cfg.kv_size * context_len * cache_bytes
-    else:
-        lc = cfg.linear
-        state_elems = lc.num_v_heads * lc.k_dim * lc.v_dim
-        # decay, S^T k, rank-1 update, S^T q: ~4 passes over the state, plus the conv
-        flops += 2 * lc.conv_kernel * lc.conv_dim + 8 * state_elems
-        state = 2 * state_elems * 4 + 2 * (lc.conv_kernel - 1) * lc.conv_dim * cache_bytes  # f32 state r+w
-    return LayerCost(kind, params, rows * flops, params * param_bytes, state)
+    mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`, `.state_bytes`)."""
+    k = KINDS[kind]
+    leaves = k.schema(cfg)
+    params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves) + k.context_flops(cfg, context_len)
+    return LayerCost(kind, params, rows * flops, params * param_bytes, k.state_bytes(cfg, context_len, cache_bytes))
 
 
 def layer_costs(cfg: ModelConfig, context_len: int, param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
     """Cost of each layer (model order) for one token decoded at position `context_len`."""
-    per_kind = {kind: kind_cost(cfg, kind, context_len, param_bytes, cache_bytes) for kind in schema.layer_kinds(cfg)}
+    per_kind = {k.name: kind_cost(cfg, k.name, context_len, param_bytes, cache_bytes) for k in kinds.of(cfg)}
     return [per_kind[kind] for kind in cfg.layer_types]
 
 
@@ -100,7 +93,7 @@ def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: 
     proj_params = H * H * m * (m + 1) // 2  # sum over a of (a + 1) H x H
     proj = LayerCost("psm_proj", proj_params, 2 * rows * proj_params, proj_params * param_bytes,
                      rows * m * H * cache_bytes)
-    layer = kind_cost(cfg, ATTENTION, context_len, param_bytes, cache_bytes, rows)
+    layer = kind_cost(cfg, FULL_ATTENTION.name, context_len, param_bytes, cache_bytes, rows)
     layers = [dataclasses.replace(layer, kind="psm_layer")] * num_layers
     head = head_cost(cfg, param_bytes, draft_vocab or cfg.vocab_size)
     head = dataclasses.replace(head, kind="psm_head", params=head.params - H)  # the norm is the target's

@@ -86,3 +86,16 @@ def mlp(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.mlp_bias:
         out = out + lp["b_down"]
     return out
+
+
+def residual_block(lp: dict, x: jax.Array, mixer, cfg: ModelConfig, mixer_input: jax.Array | None = None):
+    """The pre-norm residual block every layer is, the decoder's of each kind and the drafters' (PSM, PPSD,
+    EAGLE-3): y = x + mixer(attn_norm(x)), out = y + mlp(mlp_norm(y)). The one definition of it.
+
+    mixer: its input [..., H'] -> (its output [..., H], aux: what else it gives, e.g. the cache entries it
+    made); mixer_input: what the mixer reads in place of attn_norm(x) (EAGLE-3's [norm(embedding) |
+    hidden_norm(x)], or a norm computed once for several uses) -> (out [..., H], aux)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset) if mixer_input is None else mixer_input
+    o, aux = mixer(h)
+    y = x + o
+    return y + mlp(lp, rms_norm(y, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg), aux

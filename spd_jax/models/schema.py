@@ -203,19 +203,6 @@ def param_axes(cfg: ModelConfig) -> dict:
     return out
 
 
-def cache_axes(cfg: ModelConfig, leading: tuple[str, ...] = ()) -> "decoder.Cache":  # noqa: F821
-    """Logical axes of `decoder.Cache` leaves (KV [layers, B, Nkv, S, D]; linear conv
-    [layers, R, B, K-1, C] and ssm [layers, R, B, Hv, Dk, Dv]); `leading` axes prepended (e.g. "stage")."""
-    from spd_jax.models.attention import KVCache
-    from spd_jax.models.decoder import Cache
-    from spd_jax.models.deltanet import LinearState
-
-    kv = (*leading, "layers", "batch", "kv_heads", "seq", "head_dim")
-    lin = LinearState((*leading, "layers", "ring", "batch", None, "conv"),
-                      (*leading, "layers", "ring", "batch", "v_heads", None, None))
-    return Cache(KVCache(kv, kv), lin if cfg.linear is not None else None)
-
-
 def axis_units(cfg: ModelConfig) -> dict[str, int]:
     """How many indivisible units each logical axis holds: a mesh axis may split it only when its size
     divides this count (heads are split whole; a flattened [heads x head_dim] axis counts heads)."""

@@ -1,1 +1,1 @@
-"""The pipeline: stage partitioning, the `stage` mesh, per-stage weights/caches and the stage step."""
+"""The pipeline: stage partitioning (`partition`) and per-stage weights, caches and the stage step (`stages`)."""

@@ -77,7 +77,7 @@ def balanced(costs: Sequence[float], n: int, extra: Sequence[float] | None = Non
     (ties broken toward equal layer counts). Exact dynamic programme, O(n L^2).
 
     extra [n]: fixed work of each stage besides its layers, in the costs' units (a device's embedding,
-    head or PSM: `spd_jax.pipeline.costs.device_aware_plan`); the largest of (its layers + extra[s]) is
+    head or PSM: `spd_jax.costs.cycle.device_aware_plan`); the largest of (its layers + extra[s]) is
     minimised then. None: no fixed work."""
     L = len(costs)
     _check_n(L, n)

@@ -25,14 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models import decoder, schema
-from spd_jax.models.attention import init_kv_cache
-from spd_jax.models.deltanet import init_linear_state
+from spd_jax.config import ModelConfig
+from spd_jax.models import schema
+from spd_jax.models.kinds import KINDS
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline.partition import StagePlan
-
-KINDS = (ATTENTION, LINEAR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +158,8 @@ def init_stage_caches(cfg: ModelConfig, layout: StageLayout, batch: int, max_len
     """Caches of every stage, leading axis n (layout.devices): {kind: (one per position)}."""
     n = layout.devices
 
-    def one(kind):
-        if kind == ATTENTION:
-            return jax.tree.map(lambda t: t[0], init_kv_cache(cfg, 1, batch, max_len, dtype))
-        return init_linear_state(cfg, 1, batch, ring, dtype)
+    def one(kind):  # one layer's own cache (`LayerKind.layer_cache` of a stack of one)
+        return KINDS[kind].layer_cache(KINDS[kind].init_cache(cfg, 1, batch, max_len, ring, dtype), 0)
 
     return {kind: tuple(jax.tree.map(lambda t: jnp.broadcast_to(t, (n, *t.shape)), one(kind)) for _ in range(m))
             for kind, m in layout.max_per_kind}
@@ -188,9 +183,7 @@ def stage_forward(weights: dict, cache: dict, prog: dict, x: jax.Array, pos: jax
         if option is None:
             return x, c
         kind, i = option
-        if kind == ATTENTION:
-            return decoder.attention_block(weights[kind][i], x, c, pos, cos, sin, cfg)
-        return decoder.linear_block(weights[kind][i], x, c, pos, cfg, length)
+        return KINDS[kind].block(weights[kind][i], x, c, pos, cos, sin, cfg, length)
 
     for j, options in enumerate(slot_options(cfg, layout)):
         held = [o for o in options if o is not None]  # the caches this slot's options touch

@@ -5,7 +5,7 @@ best pure `tp` under both latency classes, `spd` against `ar` and `tp` for SmolL
 Qwen3.5-4B at n = 2, 4, 8, the chain baseline, and how the ratios move with the per-layer cost and the
 collective latency; and the README's one line of projections (`readme_line`).
 
-Builds text from the cost model (`spd_jax.pipeline.costs`, `.hardware`, `.calibration`) and the shipped
+Builds text from the cost model (`spd_jax.costs.cycle`, `.hardware`, `.calibration`) and the shipped
 drafters' specs and lineage (their measured S0 and tokens per round); computes no figure of its own and
 writes no file.
 """
@@ -19,8 +19,8 @@ import json
 from spd_jax.config import ModelConfig
 from spd_jax.drafters import eagle3 as eagle3_drafter
 from spd_jax.drafters.psm import PSMConfig, read_spec, shipped_psm
-from spd_jax.pipeline import baselines, calibration, costs, factorisations
-from spd_jax.pipeline.hardware import (H100_ETH, H100_IB, H100_NVLINK, H200_NVLINK, L40S_PCIE, TPU_V5E_ICI,
+from spd_jax.costs import baselines, calibration, cycle, factorisations
+from spd_jax.costs.hardware import (H100_ETH, H100_IB, H100_NVLINK, H200_NVLINK, L40S_PCIE, TPU_V5E_ICI,
                                        TPU_V5P_ICI, Hardware)
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.reports.lineage import LINEAGE
@@ -70,7 +70,7 @@ def factorisation_rows() -> list[dict]:
     for label, hw, devices in MACHINES:
         for name in FACTOR_MODELS:
             cfg = ModelConfig.named(name)
-            at8 = costs.default_plan(cfg, S0_DEPTH)
+            at8 = cycle.default_plan(cfg, S0_DEPTH)
             for S0 in FACTOR_S0:
                 p = factorisations.acceptance(S0, S0_DEPTH, at8.max_layers, cfg.num_layers)
                 for cls in latency_classes(hw):
@@ -149,7 +149,7 @@ def scenario_psm(name: str, cfg: ModelConfig, n: int) -> tuple[PSMConfig, str]:
     if path is not None:
         spec = read_spec(path)
         return spec, f"shipped PSM, Ls {spec.num_layers}"
-    plan = costs.default_plan(cfg, n)
+    plan = cycle.default_plan(cfg, n)
     return PSMConfig.for_target(cfg, plan.counts, num_layers=REFERENCE_LS[n]), f"Ls {REFERENCE_LS[n]}"
 
 
@@ -171,8 +171,8 @@ def scenario_S0s(n: int) -> list[tuple[float, str]]:
 def ratios(cfg: ModelConfig, n: int, psm_cfg: PSMConfig, hw: Hardware, S0: float) -> dict:
     """spd/ar, tp/ar and spd/tp on `hw` at S0, the PSM body where `--psm-placement auto` puts it."""
     plan = StagePlan(tuple(psm_cfg.plan))
-    where = costs.best_psm_device(cfg, plan, psm_cfg, hw, CONTEXT)[0]
-    p = costs.predict(cfg, n, psm_cfg, hw, CONTEXT, S0=S0, plan=plan, psm_device=where)
+    where = cycle.best_psm_device(cfg, plan, psm_cfg, hw, CONTEXT)[0]
+    p = cycle.predict(cfg, n, psm_cfg, hw, CONTEXT, S0=S0, plan=plan, psm_device=where)
     return dict(spd=p["speedup_spd"], tp=p["speedup_tp"], spd_tp=p["speedup_spd"] / p["speedup_tp"],
                 cycle_us=1e6 * p["spd_cycle_s"], ar_us=1e6 * p["ar_step_s"], comm_us=1e6 * p["spd_comm_s"])
 
@@ -245,7 +245,7 @@ def _held_out_lines() -> list[str]:
 def paper_n_plus_one() -> list[dict]:
     """The paper's own set-up: Qwen3.5-4B, 8 stages and the PSM on a ninth device, at the reference's S0."""
     cfg = ModelConfig.named("qwen3.5-4b")
-    p = factorisations.acceptance(HEADLINE_S0, S0_DEPTH, costs.default_plan(cfg, S0_DEPTH).max_layers, cfg.num_layers)
+    p = factorisations.acceptance(HEADLINE_S0, S0_DEPTH, cycle.default_plan(cfg, S0_DEPTH).max_layers, cfg.num_layers)
     eight = factorisations.Factorisation(8, 1, True)
     return [dict(machine=label, **factorisations.predict_factorisation(cfg, eight, hw, CONTEXT, p,
                                                               psm_layers(8)))
@@ -257,14 +257,14 @@ def sampled_cost(hw: Hardware = H100_NVLINK, name: str = "qwen3.5-4b", filter_ro
     unfiltered and with a top-k 50 filter (64 candidates a shard) -> {greedy_us, sampled_us, filtered_us,
     cycle_us}."""
     cfg = ModelConfig.named(name)
-    plan = costs.default_plan(cfg, 8)
+    plan = cycle.default_plan(cfg, 8)
     psm = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers(8))
-    cc = costs.cycle_costs(cfg, plan, psm, CONTEXT)
+    cc = cycle.cycle_costs(cfg, plan, psm, CONTEXT)
     cyc = factorisations.mesh_cycle(cfg, plan, psm, hw, CONTEXT)
-    return dict(greedy_us=1e6 * costs.comm_s(cc, hw), sampled_us=1e6 * costs.comm_s(cc, hw, sampled=True),
-                filtered_us=1e6 * costs.comm_s(cc, hw, sampled=True, filter_rows=filter_rows),
-                cycle_us=1e6 * cyc["cycle_s"], n=len(costs.collectives(cc)),
-                n_sampled=len(costs.collectives(cc, sampled=True)))
+    return dict(greedy_us=1e6 * cycle.comm_s(cc, hw), sampled_us=1e6 * cycle.comm_s(cc, hw, sampled=True),
+                filtered_us=1e6 * cycle.comm_s(cc, hw, sampled=True, filter_rows=filter_rows),
+                cycle_us=1e6 * cyc["cycle_s"], n=len(cycle.collectives(cc)),
+                n_sampled=len(cycle.collectives(cc, sampled=True)))
 
 
 def factorisation_section() -> list[str]:
@@ -313,17 +313,17 @@ def factorisation_section() -> list[str]:
              f"collectives greedy ({smp['greedy_us']:.0f} us), {smp['n_sampled']} sampled ({smp['sampled_us']:.0f} "
              f"us; {smp['filtered_us']:.0f} us with a top-k filter), against a {smp['cycle_us']:.0f} us greedy "
              "cycle: speculative sampling reads p(d) and q(d) and draws twice, each over the vocabulary shards "
-             "(`costs.collectives(sampled=True)`, checked against the compiled loop in tests/test_spd.py). The "
+             "(`cycle.collectives(sampled=True)`, checked against the compiled loop in tests/test_spd.py). The "
              "tables above are greedy.", ""]
     return lines
 
 
 def projections_markdown() -> str:
-    from spd_jax.pipeline.hardware import A100_GPT_FAST  # the calibration-only profile
+    from spd_jax.costs.hardware import A100_GPT_FAST  # the calibration-only profile
     rows = projection_rows()
     lines = ["# Projections: the cost model on published hardware figures", "",
              "Generated by `python -m bench.projections --out docs/projections.md` from the cost model "
-             "(`spd_jax/pipeline/costs.py`; profiles and every constant's source in `spd_jax/pipeline/hardware.py`); "
+             "(`spd_jax/costs/cycle.py`; profiles and every constant's source in `spd_jax/costs/hardware.py`); "
              "projections, not measurements. bf16, batch 1, decode position "
              f"{CONTEXT}, greedy; the PSM body where `--psm-placement auto` puts it. How the model works: "
              "[benchmarks.md](benchmarks.md#the-cost-model).", "",

@@ -2,19 +2,19 @@
 them: the evaluation's results.md and the cells the cards' tables share.
 
 Builds text from plain data; reads and writes no file. The projections come from
-`spd_jax.pipeline.costs`, per method through `projector` below.
+`spd_jax.costs.cycle`, per method through `projector` below.
 """
 
 from __future__ import annotations
 
 from spd_jax.drafters import eagle3, registry, store
 from spd_jax.methods import METHODS
-from spd_jax.pipeline import baselines, costs
+from spd_jax.costs import baselines, cycle
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.reports.results import DRAFTER_FIELD, method_label
 
-PROFILES = ("H200", "TPU")  # the projection columns: costs.H200_NVLINK and costs.TPU_V5E_ICI
-HARDWARE = dict(zip(PROFILES, (costs.H200_NVLINK, costs.TPU_V5E_ICI)))
+PROFILES = ("H200", "TPU")  # the projection columns: cycle.H200_NVLINK and cycle.TPU_V5E_ICI
+HARDWARE = dict(zip(PROFILES, (cycle.H200_NVLINK, cycle.TPU_V5E_ICI)))
 
 # a pooled row's cells by column: the evaluation's and the cards' tables pick theirs
 CELLS = {
@@ -56,14 +56,14 @@ def _project_eagle3(t: dict, cfg, hw, ctx: int) -> dict:
 
 def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
     """tp, pipeline and the drafted pipelines (spd, ppsd) at n: a drafted one at the row's measured alpha,
-    stage plan and drafter device, its drafter's cost from its kind (`costs.predict`'s spd figures)."""
-    plan = StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else costs.default_plan(cfg, t["n"])
+    stage plan and drafter device, its drafter's cost from its kind (`cycle.predict`'s spd figures)."""
+    plan = StagePlan(tuple(t["stage_layers"])) if t.get("stage_layers") else cycle.default_plan(cfg, t["n"])
     m = METHODS[t["method"]]
     kind = m.drafter_kind or registry.PSM  # tp, pipeline: predict's spd figures need a drafter, unread here
     label = t.get(m.label_key) if m.label_key else None
     d_cfg = store.read_spec(kind, label) if registry.is_checkpoint(label) else kind.random_config(cfg, plan)
     where = dict(psm_device=t["psm_device"]) if t.get("psm_device") is not None else {}  # as it ran
-    pred = costs.predict(cfg, t["n"], d_cfg, hw, ctx, S0=t["S0"], plan=plan,
+    pred = cycle.predict(cfg, t["n"], d_cfg, hw, ctx, S0=t["S0"], plan=plan,
                          alpha=t["alpha"] if t["method"] in DRAFTER_FIELD else None, **where)
     key = "spd" if m.drafter_kind is not None else t["method"]  # predict's figures of a drafted pipeline: "spd"
     parts = {"tp": dict(compute=pred["tp_step_s"] - pred["tp_comm_s"], collectives=pred["tp_comm_s"]),
@@ -76,7 +76,7 @@ def _project_staged(t: dict, cfg, hw, ctx: int) -> dict:
 def projector(method: str):
     """A method's name -> its projection on one hardware profile: (row, cfg, hw, ctx) -> {speedup over ar,
     parts_s: its cycle by part}. The baseline: one step; a chain: `baselines.predict_eagle3`; the others
-    (tp, pipeline, spd): `costs.predict` at n."""
+    (tp, pipeline, spd): `cycle.predict` at n."""
     m = METHODS[method]
     return _project_ar if m.baseline else _project_eagle3 if m.chain else _project_staged
 
@@ -84,8 +84,8 @@ def projector(method: str):
 def project(table: list[dict], cfg) -> None:
     """Add each table row's projected wall-clock speedup over `ar` and its projected cycle by part on the
     H200 and TPU v5e profiles, in place: row["proj"][profile] = {speedup, parts_s}. spd at the row's
-    measured alpha, stage plan and PSM device (`costs.predict`: busiest device + collectives); tp and
-    pipeline from `costs.predict` at n; eagle3 from `baselines.predict_eagle3` at its measured tokens per round;
+    measured alpha, stage plan and PSM device (`cycle.predict`: busiest device + collectives); tp and
+    pipeline from `cycle.predict` at n; eagle3 from `baselines.predict_eagle3` at its measured tokens per round;
     ar 1 (its parts: one step). The context is the rows' mean decode context; bf16, as the profiles assume."""
     for t in table:
         ctx = max(int(round(t["context"])), 1)
@@ -107,7 +107,7 @@ def results_markdown(table: list[dict], setup: dict) -> str:
              "per target pass). tok/s and the ratio to `ar` are measured in this run on this backend; on a "
              "CPU host the n stage devices share its cores, so the ratio is not a projection for real devices."
              + (" proj. H200 / proj. TPU: the cost model's projected wall-clock speedup over `ar` "
-                "(`spd_jax.pipeline.costs`, the H200 and TPU v5e profiles, calibrated on published figures: not "
+                "(`spd_jax.costs.cycle`, the H200 and TPU v5e profiles, calibrated on published figures: not "
                 "measurements; communication included; bf16) at the row's measured alpha and mean decode "
                 "context; spd: busiest device + the cycle's ppermute and two all-gathers; eagle3: one chain round "
                 "on one device = k drafter steps + one target pass over k + 1 positions + the drafter's pass over "

@@ -13,16 +13,18 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig, RopeConfig
+from spd_jax.config import ModelConfig, RopeConfig
 from spd_jax.distributed import to_host
 from spd_jax.drafters import store
 from spd_jax.drafters.base import features, join_params, teacher_forward
-from spd_jax.drafters.eagle3.model import DraftLayer, Eagle3, Eagle3Config, eagle3_axes, init_eagle3, layer_schema
+from spd_jax.drafters.eagle3.model import (DraftLayer, Eagle3, Eagle3Config, _init_boxed, eagle3_axes, init_eagle3,
+                                           layer_schema)
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.objective import distill_kl
-from spd_jax.drafters.shared import check_target
+from spd_jax.drafters.shared import check_target, param_count
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import head_cost, kind_cost
+from spd_jax.models.kinds import FULL_ATTENTION
 
 FORMAT = 2  # eagle3.json layout version (1: before `layer`, read as the target's own attention layer)
 KIND_NAME = "eagle3"
@@ -121,9 +123,9 @@ def _cost(cfg: ModelConfig, spec: Eagle3Config, context: int, param_bytes: int =
     layer of its layer config, q/k/v (and a gate) reading [2H]), then its head on one row (V' rows)."""
     H, r, lcfg = cfg.hidden_size, 1 if rows is None else rows, spec.layer_config(cfg)
     wide = layer_schema(lcfg)
-    extra = schema.param_count(wide) - schema.param_count(schema.layer_schema(lcfg, ATTENTION))
+    extra = schema.param_count(wide) - FULL_ATTENTION.params(lcfg)
     extra_mm = sum(H * wide[key].shape[1] for key in ("wq", "wk", "wv", "wq_gate") if key in wide)
-    c = kind_cost(lcfg, ATTENTION, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes, r)
+    c = kind_cost(lcfg, FULL_ATTENTION.name, context, param_bytes, param_bytes if cache_bytes is None else cache_bytes, r)
     layer = dataclasses.replace(c, kind="eagle3_layer", params=c.params + extra, flops=c.flops + 2 * extra_mm * r,
                                 weight_bytes=c.weight_bytes + extra * param_bytes)
     return [layer, head_cost(cfg, param_bytes, spec.draft_vocab or cfg.vocab_size)]
@@ -163,6 +165,7 @@ KIND = DrafterKind(
     check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, where, expect),
     random_config=lambda cfg, plan=None, num_layers=None: Eagle3Config.for_target(cfg),
     shipped=lambda model_name, plan=None: shipped_eagle3(model_name), misfit=lambda spec, plan: None, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab)),
     flag="--drafter", train_fix="train an EAGLE-3 drafter for {model} (python -m train.main with method: eagle3, model: {model}) "
               "or use one trained for it", training=TRAINING,
     why_random="an untrained EAGLE-3 drafter was asked for (drafter_spec=\"random\", --drafter random)",

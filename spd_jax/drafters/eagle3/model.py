@@ -33,12 +33,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig, RopeConfig
+from spd_jax.config import ModelConfig, RopeConfig
 from spd_jax.drafters.shared import DraftHead, logical_axes, random_variables, target_signature
 from spd_jax.models import decoder, schema
 from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv_cache, output_projection,
                                       project_qkv, softmax_blocks)
-from spd_jax.models.layers import dense_dot_general, mlp, rms_norm, rope_cos_sin
+from spd_jax.models.kinds import FULL_ATTENTION
+from spd_jax.models.layers import dense_dot_general, residual_block, rms_norm, rope_cos_sin
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -109,7 +110,7 @@ def layer_schema(cfg: ModelConfig) -> dict[str, schema.Leaf]:
     """The drafter's decoder layer of the layer config cfg (`Eagle3Config.layer_config`): a full-attention
     layer whose q/k/v (and output gate) projections read [2H] (normed embedding | normed feature), plus the
     feature half's norm (`hidden_norm`; `attn_norm` normalises the embedding half, EAGLE-3's input_layernorm)."""
-    s = dict(schema.layer_schema(cfg, ATTENTION))
+    s = dict(FULL_ATTENTION.schema(cfg))
     for key in ("wq", "wk", "wv", "wq_gate"):
         if key in s:
             leaf = s[key]
@@ -167,10 +168,10 @@ class Eagle3(DraftHead, nn.Module):
         return jnp.concatenate([rms_norm(emb, lp["attn_norm"], eps, off), rms_norm(feat, lp["hidden_norm"], eps, off)],
                                axis=-1)
 
-    def _finish(self, feat: jax.Array, a: jax.Array) -> jax.Array:
-        lp, cfg = self.layer, self.lcfg
-        r = feat + a
-        return r + mlp(lp, rms_norm(r, lp["mlp_norm"], cfg.rms_norm_eps, cfg.norm_offset), cfg)
+    def _block(self, feat: jax.Array, emb: jax.Array, mixer):
+        """The drafter's layer: the residual block on feat, its attention (mixer) reading [norm(emb) |
+        hidden_norm(feat)] -> (out, what the mixer gives besides its output)."""
+        return residual_block(self.layer, feat, mixer, self.lcfg, mixer_input=self._inputs(feat, emb))
 
     def step(self, feat: jax.Array, emb: jax.Array, cache: KVCache, pos: jax.Array):
         """Rows at positions [pos, pos+T) over the drafter's cache (positions < pos): feat [B, T, H]
@@ -179,10 +180,11 @@ class Eagle3(DraftHead, nn.Module):
         cache with the rows written)."""
         T = feat.shape[1]
         cos, sin = rope_cos_sin(self.lcfg, pos + jnp.arange(T))
-        a, k_new, v_new = attention(self.layer, self._inputs(feat, emb), cache.k, cache.v, pos, cos, sin, self.lcfg)
+        x, (k_new, v_new) = self._block(feat, emb, lambda h: (lambda a, k, v: (a, (k, v)))(
+            *attention(self.layer, h, cache.k, cache.v, pos, cos, sin, self.lcfg)))
         cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, pos, 0)),
                         jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, pos, 0)))
-        return self._finish(feat, a), cache
+        return x, cache
 
     def head_logits(self, x: jax.Array) -> jax.Array:
         """x [..., H] -> float32 logits [..., V'] over the head's rows."""
@@ -210,24 +212,24 @@ class Eagle3(DraftHead, nn.Module):
         out = []
         for i in range(steps):
             tok = jnp.pad(emb, ((0, 0), (0, 1 + i), (0, 0)))[:, 1 + i:]  # the token at t + 1 + i
-            x2 = self._inputs(feat, tok)
             cos, sin = rope_cos_sin(cfg, tpos + i)
-            q, k, v = project_qkv(lp, x2, cos, sin, cfg)  # [B, T, N, D]
-            qg = group_queries(q, cfg)  # [B, T, Nkv, G, D]
-            if i == 0:
-                keys0 = (k, v)
-            else:
-                diag.append((k, v))
-            s0 = jnp.einsum("btkgd,bskd->btkgs", qg, keys0[0], preferred_element_type=jnp.float32)
-            blocks = [jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)]
-            blocks += [jnp.einsum("btkgd,btkd->btkg", qg, kj, preferred_element_type=jnp.float32)[..., None]
-                       for kj, _ in diag]
-            p = softmax_blocks(blocks)
-            o = jnp.einsum("btkgs,bskd->btkgd", p[0].astype(dt), keys0[1])
-            for pj, (_, vj) in zip(p[1:], diag):
-                o = o + pj.astype(dt) * vj[:, :, :, None, :]
-            a = output_projection(lp, o.reshape(B, T, cfg.q_size), x2, cfg)
-            feat = self._finish(feat, a)  # step i's output: step i + 1's feature at the same index
+
+            def mixer(x2, i=i, cos=cos, sin=sin, keys0=keys0, diag=diag):
+                q, k, v = project_qkv(lp, x2, cos, sin, cfg)  # [B, T, N, D]
+                qg = group_queries(q, cfg)  # [B, T, Nkv, G, D]
+                keys0, diag = ((k, v), diag) if i == 0 else (keys0, [*diag, (k, v)])
+                s0 = jnp.einsum("btkgd,bskd->btkgs", qg, keys0[0], preferred_element_type=jnp.float32)
+                blocks = [jnp.where(causal[None, :, None, None, :], s0, -jnp.inf)]
+                blocks += [jnp.einsum("btkgd,btkd->btkg", qg, kj, preferred_element_type=jnp.float32)[..., None]
+                           for kj, _ in diag]
+                p = softmax_blocks(blocks)
+                o = jnp.einsum("btkgs,bskd->btkgd", p[0].astype(dt), keys0[1])
+                for pj, (_, vj) in zip(p[1:], diag):
+                    o = o + pj.astype(dt) * vj[:, :, :, None, :]
+                return output_projection(lp, o.reshape(B, T, cfg.q_size), x2, cfg), (keys0, diag)
+
+            # step i's output: step i + 1's feature at the same index
+            feat, (keys0, diag) = self._block(feat, tok, mixer)
             out.append(self.head_logits(feat))
         return jnp.stack(out)
 

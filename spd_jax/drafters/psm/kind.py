@@ -14,15 +14,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
 from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
-from spd_jax.drafters.shared import check_target, logical_axes, random_variables
+from spd_jax.drafters.shared import check_target, logical_axes, param_count, random_variables
 from spd_jax.models.attention import init_kv_cache
 from spd_jax.models.costs import psm_costs
+from spd_jax.models.kinds import FULL_ATTENTION
 
 FORMAT = 2  # psm.json layout version
 # Trained PSMs shipped with the package, one directory per (default model, n): "<model>-n<n>".
@@ -51,7 +52,7 @@ def init_psm(cfg: ModelConfig, spec: PSMConfig, target_params: dict, seed: int =
     the target lacks, `qk_norm`, keep their identity init)."""
     out = random_variables(_init_boxed, cfg, spec, target_params, seed, dtype, vocab_ids, "a PSM")
     if layers_from_target:
-        attn = target_params["layers"].get(ATTENTION)
+        attn = target_params["layers"].get(FULL_ATTENTION.name)
         have = 0 if attn is None else attn["wq"].shape[0]
         if have < spec.num_layers:
             raise ValueError(f"layers_from_target: the PSM has {spec.num_layers} layers but the target only "
@@ -200,6 +201,7 @@ KIND = DrafterKind(
     check=lambda spec, cfg, where, plan=None, expect=None: check_spec(spec, cfg, plan, where, expect),
     random_config=lambda cfg, plan, num_layers=2: PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers),
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
+    params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab or spec.own_head)),
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
     training=TRAINING, missing_hint="; train one with train.main", staged=True, random_flag="--random-psm",
     teacher_drafts=drafts_by_fill,

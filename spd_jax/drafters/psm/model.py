@@ -41,11 +41,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.drafters.shared import DraftHead, attention_layers, run_attention_layers, target_signature
-from spd_jax.models import decoder, schema
+from spd_jax.models import decoder
 from spd_jax.models.attention import KVCache, group_queries, output_projection, project_qkv, softmax_blocks
-from spd_jax.models.layers import dense_dot_general, mlp, rms_norm, rope_cos_sin
+from spd_jax.models.kinds import FULL_ATTENTION
+from spd_jax.models.layers import dense_dot_general, residual_block, rms_norm, rope_cos_sin
 
 
 def quarter_anchors(num_layers: int) -> tuple[int, ...]:
@@ -131,7 +132,7 @@ def layer_config(cfg: ModelConfig, spec: PSMConfig) -> ModelConfig:
 
 def _layer_schema(cfg: ModelConfig, spec: PSMConfig) -> dict:
     """One full-attention decoder layer of the target's kind (`layer_config`): the target's own weight schema."""
-    return schema.layer_schema(layer_config(cfg, spec), ATTENTION)
+    return FULL_ATTENTION.schema(layer_config(cfg, spec))
 
 
 class PSM(DraftHead, nn.Module):
@@ -256,12 +257,14 @@ class PSM(DraftHead, nn.Module):
             k_c, v_c = jnp.moveaxis(k_c, 2, 1), jnp.moveaxis(v_c, 2, 1)
             chain_kv.append((k_c, v_c))
             if layer < Ls - 1:  # the chain's own next layer (nothing reads it after the last)
-                q_h = jnp.moveaxis(group_queries(q_c, cfg), 1, 3)  # [B, Nkv, G, T, D]
-                s = jnp.einsum("bkgtd,bksd->bkgts", q_h, k_c, preferred_element_type=jnp.float32)
-                (p,) = softmax_blocks([jnp.where(cc_mask, s, -jnp.inf)])
-                o = jnp.moveaxis(jnp.einsum("bkgts,bksd->bkgtd", p.astype(dt), v_c), 3, 1).reshape(B, T, cfg.q_size)
-                y = x_c + output_projection(lp, o, xn_c, cfg)
-                x_c = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
+                def mixer(xn, lp=lp, q_c=q_c, k_c=k_c, v_c=v_c):
+                    q_h = jnp.moveaxis(group_queries(q_c, cfg), 1, 3)  # [B, Nkv, G, T, D]
+                    s = jnp.einsum("bkgtd,bksd->bkgts", q_h, k_c, preferred_element_type=jnp.float32)
+                    (p,) = softmax_blocks([jnp.where(cc_mask, s, -jnp.inf)])
+                    o = jnp.moveaxis(jnp.einsum("bkgts,bksd->bkgtd", p.astype(dt), v_c), 3, 1).reshape(B, T, cfg.q_size)
+                    return output_projection(lp, o, xn, cfg), None
+
+                x_c, _ = residual_block(lp, x_c, mixer, cfg, mixer_input=xn_c)
         return [self._groups(h, chain_kv, at, fill, k) for at, fill, k in blocks]
 
     def _groups(self, h: jax.Array, chain_kv: list, at: jax.Array, fill, k: int) -> jax.Array:
@@ -303,8 +306,9 @@ class PSM(DraftHead, nn.Module):
             o = (jnp.einsum("bkqjgs,bksd->bkqjgd", p_gc.astype(dt), v_c)
                  + jnp.einsum("bkqjgi,bqikd->bkqjgd", p_gg.astype(dt), v_g))
             o = jnp.moveaxis(o, 1, 3).reshape(B, Q, J, cfg.q_size)
-            y = x_g[:, :, :J] + output_projection(lp, o, xn_g[:, :, :J], cfg)
-            x_g = y + mlp(lp, rms_norm(y, lp["mlp_norm"], eps, off), cfg)
+            # the layer on the J slots that go on (its queries; every slot gave keys and values above)
+            x_g, _ = residual_block(lp, x_g[:, :, :J], lambda xn, lp=lp, o=o: (output_projection(lp, o, xn, cfg), None),
+                                    cfg, mixer_input=xn_g[:, :, :J])
         return x_g[:, :, 0]
 
     def __call__(self, h, types, cache, pos, final_norm):

@@ -1,5 +1,5 @@
 """SPD, the plain pipeline, `tp` and `ar` over every (stage, model) factorisation of a device count: each
-stage's layers split over `model` devices as `tp` splits them (`costs.cycle_costs(model=...)`), the heads over
+stage's layers split over `model` devices as `tp` splits them (`cycle.cycle_costs(model=...)`), the heads over
 `stage` or both axes, the PSM on a stage or on a row of its own (the paper's n + 1); acceptance held per draft
 across depths (`acceptance`, `alpha_at`: SPD.md section 3). `best_factorisations` is what
 `bench.projections` prints. Numbers only: nothing runs or compiles here.
@@ -11,9 +11,9 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from spd_jax.config import ModelConfig
-from spd_jax.pipeline import costs
-from spd_jax.pipeline.baselines import ar_step_s, tp_step
-from spd_jax.pipeline.hardware import Hardware
+from spd_jax.costs import cycle
+from spd_jax.costs.baselines import _drafter_kinds, ar_step_s, tp_step
+from spd_jax.costs.hardware import Hardware
 from spd_jax.pipeline.partition import StagePlan
 
 if TYPE_CHECKING:  # the drafters (Flax) are imported only when their costs are counted
@@ -70,10 +70,10 @@ def mesh_cycle(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, hw:
                heads: str = "sharded", sampled: bool = False, filter_rows: int = 0) -> dict:
     """One cycle of the engine on a (len(plan), model) mesh (psm_cfg None: the plain pipeline) -> {cycle_s
     (busiest row + collectives), busy_s [rows], comm_s, costs (the `CycleCosts`)}."""
-    cc = costs.cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device, model=model,
+    cc = cycle.cycle_costs(cfg, plan, psm_cfg, context, param_bytes, psm_device=psm_device, model=model,
                      head_axes=head_axes)
-    busy = costs._busy_s(cc, hw, heads)
-    comm = costs.comm_s(cc, hw, heads, sampled, filter_rows)
+    busy = cycle._busy_s(cc, hw, heads)
+    comm = cycle.comm_s(cc, hw, heads, sampled, filter_rows)
     return dict(cycle_s=max(busy) + comm, busy_s=busy, comm_s=comm, costs=cc)
 
 
@@ -92,11 +92,9 @@ def predict_factorisation(cfg: ModelConfig, f: Factorisation, hw: Hardware, cont
     if f.stages == 1:  # ar on one device, else tp over the model axis
         t = t_ar if f.model == 1 else tp_step(cfg, hw, f.model, context, param_bytes)["step_s"]
         return out | dict(step_s=t, speedup=t_ar / t)
-    from spd_jax.drafters.psm import PSMConfig  # the drafter's config (Flax): only when counted
-
-    plan = costs.default_plan(cfg, f.stages)
-    psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
-    axes = costs.HEAD_AXES if f.model > 1 else ("stage",)
+    plan = cycle.default_plan(cfg, f.stages)
+    psm_cfg = _drafter_kinds().PSM.random_config(cfg, plan, psm_layers)
+    axes = cycle.HEAD_AXES if f.model > 1 else ("stage",)
     places = [f.stages] if f.psm_own else range(f.stages)
     best = min((mesh_cycle(cfg, plan, psm_cfg, hw, context, f.model, d, ax, param_bytes)
                 | dict(psm_device=d, axes=ax) for d in places for ax in axes), key=lambda r: r["cycle_s"])

@@ -1,4 +1,4 @@
-"""The published measurements the hardware profiles (`spd_jax.pipeline.hardware`) are calibrated on, and
+"""The published measurements the hardware profiles (`spd_jax.costs.hardware`) are calibrated on, and
 the cost model's figure for each through the same formulas the projections use (`baselines.ar_step_s`,
 `baselines.tp_step_s`, `Hardware.all_gather_s`, `Hardware.all_reduce_s`); a published measurement kept out of
 the fit (`held_out`: SGLang's batch-1 tensor-parallel decode on H100), predicted under both latency classes;
@@ -15,8 +15,8 @@ import numpy as np
 
 from spd_jax.config import ModelConfig
 from spd_jax.models.costs import embed_cost, head_cost, layer_costs
-from spd_jax.pipeline import baselines, costs, factorisations
-from spd_jax.pipeline.hardware import A100_GPT_FAST, H100_IB, H100_NVLINK, L40S_PCIE, TPU_V5E_ICI, Hardware
+from spd_jax.costs import baselines, cycle, factorisations
+from spd_jax.costs.hardware import A100_GPT_FAST, H100_IB, H100_NVLINK, L40S_PCIE, TPU_V5E_ICI, Hardware
 from spd_jax.pipeline.partition import StagePlan
 
 # pytorch-labs/gpt-fast README.md, "Tensor Parallelism": Llama-2-7B bf16, batch 1, 8 x A100-80GB (330 W,
@@ -108,13 +108,9 @@ def paper_ratios(hw: Hardware = H100_NVLINK, context: int = 1024) -> dict:
     (the paper's n + 1), the heads as the engine splits them -> {psm_over_stage: the PSM body over the
     slowest stage's layers, cycle_over_stage: the whole cycle (busiest device, head shards, collectives) over
     the same, and the paper's two}."""
-    from spd_jax.drafters.psm import (
-        PSMConfig,  # the drafter's config (Flax): only when counted
-    )
-
     cfg = ModelConfig.named("qwen3.5-4b")
-    plan = costs.default_plan(cfg, 8)
-    psm = PSMConfig.for_target(cfg, plan.counts, num_layers=3)
+    plan = cycle.default_plan(cfg, 8)
+    psm = baselines._drafter_kinds().PSM.random_config(cfg, plan, 3)
     cyc = factorisations.mesh_cycle(cfg, plan, psm, hw, context, psm_device=plan.n)
     stage = max(hw.part_s(s, stage=True) for s in cyc["costs"].stages)
     return dict(psm_over_stage=hw.part_s(cyc["costs"].psm_body) / stage, cycle_over_stage=cyc["cycle_s"] / stage,
@@ -124,7 +120,7 @@ def paper_ratios(hw: Hardware = H100_NVLINK, context: int = 1024) -> dict:
 
 def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: int = 4,
             name: str = "this CPU (fitted)") -> Hardware:
-    """This machine's profile, fitted to a `spd_jax.pipeline.profile.profile_cycle` dict, for the model
+    """This machine's profile, fitted to a `spd_jax.costs.profile.profile_cycle` dict, for the model
     `cfg` it was measured on with the PSM `psm_cfg`, in a dtype of `param_bytes`. The dict: stage_ms
     [n], psm_ms (the PSM body), psm_head_ms and verify_ms (one vocabulary shard of each head), ar_step_ms
     (one AR decoder step of the whole model; older profiles lack it), comm_ms (the cycle's collectives),
@@ -142,7 +138,7 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     less their bytes at that bandwidth."""
     plan = StagePlan(tuple(profile["stage_layers"]))
     ctx = int(profile["context"])
-    cc = costs.cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes)
+    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes)
     parts = [*cc.stages, (cc.head_shard,), cc.psm_body, (cc.psm_head_shard,)]
     y = [*profile["stage_ms"], profile["verify_ms"], profile["psm_ms"], profile["psm_head_ms"]]
     two = bool(profile.get("ar_step_ms"))  # an AR step: a second bandwidth, the stages' programs apart
@@ -158,7 +154,7 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     bw = 1.0 / slopes[-1] if slopes[-1] > 0 else float(np.max(x / y))  # no slope: the fastest part's rate
     stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
     peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
-    coll = costs.collectives(cc, "sharded")
+    coll = cycle.collectives(cc, "sharded")
     moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b, _ in coll)  # each device receives
     latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0
     pred = x * np.where(stage, 1.0 / (bw * stage_eff), 1.0 / bw) + launch_s

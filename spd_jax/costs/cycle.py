@@ -1,7 +1,7 @@
 """Per-cycle cost model of SPD on a hardware profile: each device's busy time per cycle, the cycle, and
 the wall-clock speedup of `spd`, `tp` and `pipeline` over `ar`, all from FLOPs and bytes per part (the
-baselines' steps: `spd_jax.pipeline.baselines`; every (stage, model) split of a device count:
-`spd_jax.pipeline.factorisations`).
+baselines' steps: `spd_jax.costs.baselines`; every (stage, model) split of a device count:
+`spd_jax.costs.factorisations`).
 
 Parts of one cycle (counts from `spd_jax.models.costs`, which derives them from the weight schema; a
 drafter's from its kind, `DrafterKind.cost`, the one count of its draft):
@@ -33,11 +33,11 @@ layers, and the PSM's, split over `model` devices as `tp` splits them, their all
 to the stage's time; the heads split over `stage` or over both axes, whichever is cheaper; the PSM on a stage
 or on a row of its own.
 
-Every part and collective is costed by its `spd_jax.pipeline.hardware.Hardware` profile: the roofline at
+Every part and collective is costed by its `spd_jax.costs.hardware.Hardware` profile: the roofline at
 the achievable bandwidth, a fixed cost per decoder layer and per program, and per collective a latency
 by kind and device count plus its bytes over the achievable link bandwidth. The H100, H200, TPU v5e and
 v5p profiles are projections from published figures (each constant's source is in `hardware`), not
-measurements; `calibration.fit_cpu` fits this machine's from `spd_jax.pipeline.profile.profile_cycle`.
+measurements; `calibration.fit_cpu` fits this machine's from `spd_jax.costs.profile.profile_cycle`.
 This module computes numbers only: it must not run or compile anything.
 """
 
@@ -47,10 +47,11 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Sequence
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
-from spd_jax.pipeline.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_step
-from spd_jax.pipeline.hardware import (A100_GPT_FAST, H100_NVLINK, H200_NVLINK, PROFILES, TPU_V5E_ICI,  # noqa: F401
+from spd_jax.models.kinds import FULL_ATTENTION
+from spd_jax.costs.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_step
+from spd_jax.costs.hardware import (A100_GPT_FAST, H100_NVLINK, H200_NVLINK, PROFILES, TPU_V5E_ICI,  # noqa: F401
                                        TPU_V5P_ICI, Hardware)
 from spd_jax.pipeline.partition import StagePlan, balanced, plan_stages
 
@@ -166,8 +167,8 @@ def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, mode
     layers are full-attention layers of the target's kind under the same logical axes (`drafters.psm`), so
     `TP_RULES` splits them as the target's (`tp_layer_cost`), their FLOPs and cache by the same fractions; its
     projections read (None, "embed") axes, which no TP rule splits: whole on every device."""
-    full = kind_cost(cfg, ATTENTION, context, param_bytes, cache_bytes)
-    share, ars = tp_layer_cost(cfg, ATTENTION, context, model, param_bytes, cache_bytes)
+    full = kind_cost(cfg, FULL_ATTENTION.name, context, param_bytes, cache_bytes)
+    share, ars = tp_layer_cost(cfg, FULL_ATTENTION.name, context, model, param_bytes, cache_bytes)
     out, total = [], 0
     for c in body:
         if c.kind == "psm_layer":

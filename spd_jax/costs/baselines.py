@@ -1,7 +1,7 @@
 """The baselines' steps on the cost model's terms: `ar` (one device), `tp` (one step over n devices as
 `sharding.TP_RULES` places the model, with its all-reduces) and one round of the EAGLE-3-style chain
 (`predict_eagle3`), each counted from FLOPs and bytes per part like the SPD cycle in
-`spd_jax.pipeline.costs`, which builds on `tp_layer_cost` for stages split over a `model` axis.
+`spd_jax.costs.cycle`, which builds on `tp_layer_cost` for stages split over a `model` axis.
 Numbers only: nothing runs or compiles here.
 """
 
@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from spd_jax.config import ATTENTION, ModelConfig
+from spd_jax.config import ModelConfig
 from spd_jax.models import schema
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
-from spd_jax.pipeline.hardware import Hardware
+from spd_jax.costs.hardware import Hardware
+from spd_jax.models.kinds import KINDS
 from spd_jax.sharding import MODEL, TP_RULES, logical_spec
 
 SCALAR_BYTES = 4  # an int32 / float32 decision value
@@ -58,10 +59,9 @@ def tp_layer_cost(cfg: ModelConfig, kind: str, context: int, n: int, param_bytes
         if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes:  # a matmul operand
             full_mm, mm_flops = full_mm + 2 * size, mm_flops + 2 * size / (n if MODEL in split else 1)
             all_reduces += split[0] == MODEL
-    if kind == ATTENTION:
-        heads, kv = (MODEL in _tp_split((axis,), n, units) for axis in ("q_heads", "kv_heads"))
-    else:  # Gated DeltaNet: the conv channels by key-head group, the state by value heads
-        heads = kv = MODEL in _tp_split(("conv",), n, units) and MODEL in _tp_split(("v_heads",), n, units)
+    # the mixer's heads and its cache split where every axis of the kind's group is split (`tp_mixer_axes`:
+    # attention's query and KV heads; Gated DeltaNet's conv channels by key-head group and its value heads)
+    heads, kv = (all(MODEL in _tp_split((axis,), n, units) for axis in group) for group in KINDS[kind].tp_mixer_axes)
     rest = (full.flops - full_mm) / (n if heads else 1)  # the mixer's context or state FLOPs
     return LayerCost(kind, full.params, int(mm_flops + rest), int(weights * param_bytes),
                      int(full.state_bytes / (n if kv else 1))), all_reduces
@@ -102,11 +102,11 @@ def eagle3_round_costs(cfg: ModelConfig, k: int, context: int, draft_vocab: int 
       rows; weights and caches read once, FLOPs times k + 1);
     - "commit": the drafter over the k + 1 verified rows (the fuse [m H, H] and its layer).
     The drafter's layer is the standard EAGLE-3 layer (`drafters.eagle3.DraftLayer`), q/k/v reading [2H]."""
-    from spd_jax.drafters.eagle3 import Eagle3Config  # the drafter (Flax): only when counted
-
     H, rows, pb = cfg.hidden_size, k + 1, param_bytes
-    spec = Eagle3Config.for_target(cfg, draft_vocab=draft_vocab)  # the default feature layers
-    m, cost = len(spec.layers), _drafter_kinds().EAGLE3.cost
+    kind = _drafter_kinds().EAGLE3
+    # the default feature layers, over a draft vocabulary of draft_vocab rows (0 or V: the whole)
+    spec = dataclasses.replace(kind.random_config(cfg), draft_vocab=0 if draft_vocab == cfg.vocab_size else draft_vocab)
+    m, cost = len(spec.layers), kind.cost
     step_layer, d_head = cost(cfg, spec, context, pb)  # one draft step: the layer on one row, the head
     commit_layer, _ = cost(cfg, spec, context, pb, rows=rows)
 

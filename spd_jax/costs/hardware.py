@@ -1,4 +1,4 @@
-"""Hardware profiles for the cost model (`spd_jax.pipeline.costs`): one device's roofline, the fixed costs
+"""Hardware profiles for the cost model (`spd_jax.costs.cycle`): one device's roofline, the fixed costs
 that dominate batch-1 decoding on fast devices, and its collectives' latency by kind, device count and the
 nodes a collective spans.
 
@@ -18,10 +18,10 @@ locally; gpt-fast's ENABLE_INTRA_NODE_COMM, SGLang's and vLLM's custom all-reduc
 a node and for at most `one_shot_max_devices` devices; a collective outside that falls back to NCCL.
 
 Multi-node profiles (`devices_per_node` > 0) place devices node by node, `model` fastest
-(`spd_jax.pipeline.costs.mesh_nodes`); a collective spanning several nodes pays the network's latency on the
+(`spd_jax.costs.cycle.mesh_nodes`); a collective spanning several nodes pays the network's latency on the
 steps that cross nodes and moves its bytes at the network's bandwidth.
 
-Sources of every constant (each profile's `assumes` repeats its own; `spd_jax.pipeline.calibration` and
+Sources of every constant (each profile's `assumes` repeats its own; `spd_jax.costs.calibration` and
 `tests/test_calibration.py` check the calibrated ones against the figures they reproduce):
 - [gpt-fast] https://github.com/pytorch-labs/gpt-fast README.md, "Tensor Parallelism": Llama-2-7B bf16,
   batch 1, 8 x A100-80GB (330 W, hybrid cube mesh): 104.9 / 168.84 / 254.02 / 328.43 tok/s on 1 / 2 / 4 /
@@ -91,11 +91,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from spd_jax.config import ATTENTION, LINEAR
 from spd_jax.models.costs import LayerCost
+from spd_jax.models.kinds import KINDS
 
 # the LayerCost kinds that pay `layer_s`: the model's layers and the drafters' (not heads, embeddings, projections)
-LAYER_KINDS = (ATTENTION, LINEAR, "psm_layer", "eagle3_layer")
+LAYER_KINDS = (*KINDS, "psm_layer", "eagle3_layer")
 COLLECTIVES = ("all_reduce", "all_gather", "ppermute")
 LATENCY_CLASSES = ("nccl", "one-shot")
 # NCCL's network constants (src/graph/tuning.cc, [NCCL net] above), the same for every GPU profile

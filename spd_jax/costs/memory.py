@@ -34,9 +34,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from spd_jax.config import ATTENTION, LINEAR, ModelConfig
-from spd_jax.models import schema
-from spd_jax.pipeline.costs import default_plan
+from spd_jax.config import ModelConfig
+from spd_jax.models import kinds, schema
+from spd_jax.models.decoder import CACHE_FIELD
+from spd_jax.models.kinds import FULL_ATTENTION, KINDS
+from spd_jax.costs.cycle import default_plan
 from spd_jax.pipeline.partition import StagePlan
 from spd_jax.sharding import MODEL, TP_RULES, TRAIN_RULES, logical_spec
 
@@ -56,6 +58,7 @@ class DeviceBytes:
     layers: int  # its layers' weights (a stage's stacks; a tensor-parallel shard of every layer, twice)
     heads: int  # embedding, final norm, LM head
     psm: int  # the PSM's weights (trained ones with their gradient and optimiser state in training)
+    # the layers' caches, one field per kind, named as `decoder.Cache` names them (`CACHE_FIELD`)
     kv: int  # attention KV cache
     linear: int  # Gated DeltaNet conv inputs and recurrent states (the SPD ring of n of each)
     psm_cache: int  # the PSM's KV cache
@@ -73,21 +76,19 @@ class DeviceBytes:
         return self.weights + self.caches
 
 
-def _layer_params(cfg: ModelConfig, kind: str) -> int:
-    return schema.param_count(schema.layer_schema(cfg, kind))
+def _drafter_kinds():
+    """`spd_jax.drafters.registry`, whose kinds' `params` is the one count of each drafter's weights; imported
+    when counted (the drafters import Flax, and this module needs none of it otherwise)."""
+    from spd_jax.drafters import registry
+    return registry
 
 
-def _kv_bytes(cfg: ModelConfig, layers: int, cache_len: int, cache_bytes: int, kv_split: int = 1) -> int:
-    """K and V of `layers` attention layers, batch 1, [Nkv / kv_split, S, D] each."""
-    return 2 * layers * (cfg.num_kv_heads // kv_split) * cache_len * cfg.head_dim * cache_bytes
-
-
-def _linear_bytes(cfg: ModelConfig, layers: int, ring: int, cache_bytes: int) -> int:
-    """Gated DeltaNet conv inputs [K-1, C] (cache dtype) and recurrent state [Hv, Dk, Dv] (float32), `ring` each."""
-    lc = cfg.linear
-    if lc is None or not layers:
-        return 0
-    return layers * ring * ((lc.conv_kernel - 1) * lc.conv_dim * cache_bytes + lc.num_v_heads * lc.k_dim * lc.v_dim * 4)
+def _caches(cfg: ModelConfig, layers: dict, cache_len: int, ring: int, cache_bytes: int,
+            split: dict | None = None) -> dict:
+    """The layers' caches by `DeviceBytes` field: layers[kind] layers of each kind (`LayerKind.cache_bytes`),
+    split[kind] ways (default whole)."""
+    return {CACHE_FIELD[name]: k.cache_bytes(cfg, layers.get(name, 0), cache_len, ring, cache_bytes,
+                                             (split or {}).get(name, 1)) for name, k in KINDS.items()}
 
 
 def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int:
@@ -98,21 +99,15 @@ def heads_bytes(cfg: ModelConfig, param_bytes: int = 2, rows_of: int = 1) -> int
                for leaf in g.values())
 
 
-def psm_params(cfg: ModelConfig, spec: "PSMConfig", with_head: bool = False) -> int:
-    """The PSM's weights: projections sum_a (a + 1) H x H, the anchor gains, Ls attention layers of the target's
-    kind (with their q/k norms under `qk_norm`), and (with_head, or with a draft vocabulary or its own head) its
-    head [V', H]."""
-    H, m = cfg.hidden_size, spec.m
-    layer = _layer_params(cfg, ATTENTION) + (2 * cfg.head_dim if spec.qk_norm else 0)
-    p = H * H * m * (m + 1) // 2 + (m * H if spec.anchor_norm else 0) + spec.num_layers * layer
-    return p + ((spec.draft_vocab or cfg.vocab_size) * H if with_head or spec.draft_vocab or spec.own_head else 0)
+def drafter_params(cfg: ModelConfig, spec) -> int:
+    """A drafter's weights, as its kind counts them (`DrafterKind.params`: its module's declared shapes; the
+    LM head only where it is its own, a draft vocabulary's or one it trains)."""
+    return _drafter_kinds().of_config(spec).params(cfg, spec)
 
 
 def random_psm(cfg: ModelConfig, plan: StagePlan, num_layers: int = 2) -> "PSMConfig":
-    """The random PSM `spd` runs without a trained one (the drafter registry's `random_config`)."""
-    from spd_jax.drafters.psm import PSMConfig  # Flax: only when a PSM is counted
-
-    return PSMConfig.for_target(cfg, plan.counts, num_layers=num_layers)
+    """The random PSM `spd` runs without a trained one (its kind's `random_config`)."""
+    return _drafter_kinds().PSM.random_config(cfg, plan, num_layers)
 
 
 def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int = 2, plan: StagePlan | None = None,
@@ -124,15 +119,14 @@ def spd_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int 
         raise ValueError(f"heads must be one of {HEADS}, got {heads!r}")
     plan = default_plan(cfg, n) if plan is None else plan
     psm = random_psm(cfg, plan) if psm is None else psm
-    most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in (ATTENTION, LINEAR)}
-    layers = sum(most[k] * _layer_params(cfg, k) for k in schema.layer_kinds(cfg)) * param_bytes
-    psm_w = psm_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
+    most = {kind: max(cfg.layer_types[a:b].count(kind) for a, b in plan.bounds) for kind in KINDS}
+    layers = sum(most[k.name] * k.params(cfg) for k in kinds.of(cfg)) * param_bytes
+    psm_w = drafter_params(cfg, psm) * param_bytes + (psm.draft_vocab * 4 if psm.draft_vocab else 0)  # + its ids
     devices = n + own_device
     rows = heads == "rows" or (heads == "auto" and cfg.vocab_size % devices == 0)
     return DeviceBytes(layers, heads_bytes(cfg, param_bytes, devices if rows else 1), psm_w,
-                       _kv_bytes(cfg, most[ATTENTION], cache_len, param_bytes),
-                       _linear_bytes(cfg, most[LINEAR], n, param_bytes),
-                       _kv_bytes(cfg, psm.num_layers, cache_len, param_bytes))
+                       psm_cache=FULL_ATTENTION.cache_bytes(cfg, psm.num_layers, cache_len, 1, param_bytes),
+                       **_caches(cfg, most, cache_len, n, param_bytes))
 
 
 def _sharded(shape: tuple[int, ...], axes: tuple, rules, mesh: AbstractMesh, units: dict) -> int:
@@ -146,8 +140,8 @@ def _layers_sharded(cfg: ModelConfig, rules, mesh: AbstractMesh) -> tuple[int, i
     units = schema.axis_units(cfg)
     g = schema.global_schema(cfg)
     heads = sum(_sharded(leaf.shape, leaf.axes, rules, mesh, units) for leaf in g.values())
-    layers = sum(cfg.layer_types.count(kind) * _sharded(leaf.shape, leaf.axes, rules, mesh, units)
-                 for kind in schema.layer_kinds(cfg) for leaf in schema.layer_schema(cfg, kind).values())
+    layers = sum(cfg.layer_types.count(kind.name) * _sharded(leaf.shape, leaf.axes, rules, mesh, units)
+                 for kind in kinds.of(cfg) for leaf in kind.schema(cfg).values())
     return layers, heads
 
 
@@ -155,11 +149,12 @@ def tp_device_bytes(cfg: ModelConfig, n: int, cache_len: int, param_bytes: int =
     """One device of `tp` over n devices (n = 1: `ar`): its shards, the layers twice (the per-layer decode copy)."""
     mesh = AbstractMesh((n,), (MODEL,))
     layers, heads = _layers_sharded(cfg, TP_RULES, mesh)
-    kv_split = n if cfg.num_kv_heads % n == 0 else 1
-    lin_split = n if cfg.linear is not None and cfg.linear.num_k_heads % n == 0 else 1  # then Hv too: Hk divides Hv
-    return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0,
-                       _kv_bytes(cfg, cfg.num_attention_layers, cache_len, param_bytes, kv_split),
-                       _linear_bytes(cfg, cfg.num_linear_layers, 1, param_bytes) // lin_split, 0)
+    units = schema.axis_units(cfg)
+    # a kind's cache splits n ways where TP_RULES split every axis of its group (`LayerKind.tp_mixer_axes`)
+    split = {k.name: n if all(MODEL in tuple(logical_spec((a,), TP_RULES, mesh, units)) for a in k.tp_mixer_axes[1])
+             else 1 for k in kinds.of(cfg)}
+    return DeviceBytes(2 * layers * param_bytes, heads * param_bytes, 0, psm_cache=0,
+                       **_caches(cfg, {k: cfg.layer_types.count(k) for k in KINDS}, cache_len, 1, param_bytes, split))
 
 
 def ar_device_bytes(cfg: ModelConfig, cache_len: int, param_bytes: int = 2) -> DeviceBytes:
@@ -176,7 +171,7 @@ def train_device_bytes(cfg: ModelConfig, spec: "PSMConfig", model_devices: int, 
     V = spec.draft_vocab or cfg.vocab_size
     head_rows = V if spec.draft_vocab else -(-V // model_devices)
     return DeviceBytes(layers * compute_bytes, heads * compute_bytes,
-                       4 * 4 * psm_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
+                       4 * 4 * drafter_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
 
 
 def memory_table(names: list[str], ns: list[int], contexts: list[int], param_bytes: int = 2) -> list[dict]:
