@@ -4,7 +4,8 @@
   no cycle among the project's modules; `infer` and `train` do not import each other; `spd_jax` (the
   library) imports none of `train`, `infer`, `bench`.
 - No non-test module over MAX_MODULE_LINES lines, and no function in spd_jax/ over MAX_FUNCTION_LINES (its
-  decorators and body included): a function a reader can follow in one screen.
+  decorators and body included): a function a reader can follow in one screen. `api.generate` takes at most
+  MAX_GENERATE_PARAMETERS parameters (its options as typed objects).
 - Every command in a fenced shell block of README.md and docs/**/*.md that runs a project module
   (`python -m X ...` / `python3 -m X ...`, X under spd_jax/, train/, infer/, bench/) parses as written:
   the module's `main(argv)` runs with `ArgumentParser.parse_args` / `parse_intermixed_args` patched to
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("spd_jax", "train", "infer", "bench")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
+MAX_GENERATE_PARAMETERS = 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +197,17 @@ def test_no_library_function_over_the_size_limit():
     over = [f"{path.relative_to(ROOT)}:{line} {name} ({n})" for mod, path in _sources().items()
             if _top(mod) == "spd_jax" for line, name, n in long_functions(path.read_text(), MAX_FUNCTION_LINES)]
     assert not over, f"functions in spd_jax/ over {MAX_FUNCTION_LINES} lines: " + ", ".join(over)
+
+
+def test_generate_takes_one_options_object_per_concern():
+    """`api.generate` takes the model, the prompt, the budget and at most five more: the sampling rule and the
+    method as one typed value each (`Sampling`, a `methods.Method`), not their fields one by one."""
+    import inspect
+
+    from spd_jax import api
+    params = inspect.signature(api.generate).parameters
+    assert len(params) <= MAX_GENERATE_PARAMETERS, list(params)
+    assert {"sampling", "method"} <= set(params)
 
 
 def test_the_function_length_scan_counts_decorators_and_nested_functions():

@@ -15,14 +15,13 @@ from jax.sharding import NamedSharding
 
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.decode.spd import EngineConfig, arg_specs, build
 from spd_jax.distributed import to_host
 from spd_jax.drafters import registry
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
 from spd_jax.drafters.kind import Form
-from spd_jax.drafters.ppsd import PPSDDrafter
-from spd_jax.drafters.psm import PSMConfig, PSMDrafter
+from spd_jax.drafters.psm import PSMConfig
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
 from spd_jax.pipeline import costs, stages
@@ -31,14 +30,6 @@ from spd_jax.sharding import (MODEL, STAGE_RULES, STAGE_TP_RULES, Placement, log
                               stage_model_mesh)
 
 _compiled = CompileCache()
-
-
-def check_drafter(drafter) -> None:
-    """Refuse a drafter name the pipelined methods do not run."""
-    if drafter not in DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r} for the pipelined methods: one of {', '.join(DRAFTERS)} "
-                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
-                         "method=\"eagle3\"")
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -124,31 +115,41 @@ class EngineDraft(NamedTuple):
     label_key: str = "psm"
 
 
-def _network_draft(kind, make, method: str):
-    """The EngineDraft maker of a drafter kind with a network: make(cfg, config) -> its `SpdDrafter`."""
-    def draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
-        d_cfg, variables, label = registry.resolve(kind, model, spec, plan, psm_layers, method=method)
-        drafter = make(model.config, d_cfg)
-
-        def engine_layout():  # split from host views (on a CPU host no copy): placing makes the only new copy
-            return drafter.engine_params(jax.tree.map(
-                lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, variables))
-
-        def place(prompt_len, cache_len, layout, shared, rep):
-            if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
-                return put(engine_layout(), rep)
-            key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
-            if key not in model.runtime:
-                model.runtime[key] = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
-                registry.keep_placed(model, variables, model.runtime[key])
-            return model.runtime[key]
-
-        return EngineDraft(drafter, place, d_cfg, label, kind.name)
-
-    return draft
+def engine_draft(model, plan: StagePlan, opts) -> EngineDraft:
+    """The engine's drafter for a call with opts (a pipelined method: `methods.Pipeline` and its kin), the one
+    its `engine_drafter` names in `registry.ENGINE_DRAFTERS`: a staged kind's network, the oracle, or none."""
+    kind = registry.engine_drafter(opts.engine_drafter)
+    if kind is not None:
+        return _network_draft(kind, model, plan, opts)
+    if opts.engine_drafter == registry.ORACLE:
+        return _oracle_draft(model, opts.oracle_tokens)
+    return EngineDraft(NoDrafter(model.config.vocab_size),
+                       lambda prompt_len, cache_len, layout, shared, rep: put((), rep))
 
 
-def _oracle_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+def _network_draft(kind, model, plan: StagePlan, opts) -> EngineDraft:
+    """A staged kind's network as the engine's drafter (`DrafterKind.spd_drafter`), its weights resolved from
+    opts's drafter reference and placed once per (drafter, stage placement)."""
+    d_cfg, variables, label = registry.resolve(kind, model, opts.drafter_ref(), plan, opts.psm_layers, method=opts.name)
+    drafter = kind.spd_drafter(model.config, d_cfg)
+
+    def engine_layout():  # split from host views (on a CPU host no copy): placing makes the only new copy
+        return drafter.engine_params(jax.tree.map(
+            lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, variables))
+
+    def place(prompt_len, cache_len, layout, shared, rep):
+        if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
+            return put(engine_layout(), rep)
+        key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
+        if key not in model.runtime:
+            model.runtime[key] = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
+            registry.keep_placed(model, variables, model.runtime[key])
+        return model.runtime[key]
+
+    return EngineDraft(drafter, place, d_cfg, label, kind.name)
+
+
+def _oracle_draft(model, oracle_tokens) -> EngineDraft:
     if oracle_tokens is None:
         raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
 
@@ -159,19 +160,6 @@ def _oracle_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) 
         return put(ref, rep)
 
     return EngineDraft(OracleDrafter(k=1, vocab_size=model.config.vocab_size), place)
-
-
-def _no_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
-    def place(prompt_len, cache_len, layout, shared, rep):
-        return put((), rep)
-
-    return EngineDraft(NoDrafter(model.config.vocab_size), place)
-
-
-# generate(drafter=...): the PSM, PPSD's early-exit head, the plain pipeline, the test oracle
-DRAFTERS: dict[str, Callable[..., EngineDraft]] = {
-    "psm": _network_draft(registry.PSM, PSMDrafter, "spd"), "ppsd": _network_draft(registry.PPSD, PPSDDrafter, "ppsd"),
-    "none": _no_draft, "oracle": _oracle_draft}
 
 
 def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
@@ -270,19 +258,17 @@ def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, pr
     return Placed(stage_w, prog, shared, draft.place(prompt_len, cache_len, layout, shared, rep), caches, dstate)
 
 
-def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
-                       n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str = "psm",
-                       oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
-                       psm_placement="auto", compiled: CompileCache | None = None, tp: int = 1):
-    """One prompt through the n-stage pipeline with the engine drafter named `drafter` (`DRAFTERS`);
-    method names the run in the stats. compiled: the caller's compile cache (default this module's).
-    tp: devices per stage, each stage tensor-parallel over them (a `stage x model` mesh, `engine_mesh`)."""
-    cfg = model.config
+def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampling, opts, *,
+                       stop_at_eos: bool = True, compiled: CompileCache | None = None):
+    """One prompt through the pipeline a pipelined method's options say (opts: `methods.Pipeline` or its kin,
+    as given: its n stages and stage_layers, its engine drafter (`engine_draft`), psm_placement, and tp,
+    devices per stage, each stage tensor-parallel over them: a `stage x model` mesh, `engine_mesh`); opts.name
+    names the run in the stats. compiled: the caller's compile cache (default this module's)."""
+    cfg, tp = model.config, int(opts.tp)
     check_tp(cfg, tp)
-    plan = plan_for(model, n, stage_layers)
-    check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
-    draft = DRAFTERS[drafter](model, plan, spec, psm_layers, oracle_tokens)
-    psm_device = drafter_device(model, plan, draft, psm_placement)
+    plan = plan_for(model, opts.n, opts.stage_layers)
+    draft = engine_draft(model, plan, opts)  # its name was checked when opts was made
+    psm_device = drafter_device(model, plan, draft, opts.psm_placement)
     # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
     layout = stages.StageLayout.of(cfg, plan, draft.drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
     mesh = engine_mesh(cfg, layout.devices, tp)
@@ -324,7 +310,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     N, K = len(tokens), int(cycles)
     alpha = N / K if K else float("nan")
     stats = dict(
-        method=method, drafter=drafter, **({"psm": None} | {draft.label_key: draft.label}), n=plan.n,
+        method=opts.name, drafter=opts.engine_drafter, **({"psm": None} | {draft.label_key: draft.label}), n=plan.n,
         stage_layers=list(plan.counts),
         tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
         S0=alpha * cfg.num_layers / plan.max_layers,

@@ -1,4 +1,5 @@
-"""The drafters with a network, by name (`KINDS`: the PSM, EAGLE-3 and PPSD), and how a call's `DrafterRef`
+"""The drafters by name: those with a network (`KINDS`: the PSM, EAGLE-3 and PPSD), and what the SPD engine
+can run (`ENGINE_DRAFTERS`: the staged kinds, none, the test oracle); and how a call's `DrafterRef`
 becomes weights to run (`source`, `resolve`), the same way for every kind. Adding a drafter: its own
 module defines a `DrafterKind` (with its `Training`, what train/ asks of it); list it here."""
 
@@ -21,6 +22,12 @@ log = logging.getLogger(__name__)
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (psm.KIND, eagle3.KIND, ppsd.KIND)}
 PSM, EAGLE3, PPSD = psm.KIND, eagle3.KIND, ppsd.KIND
 
+# The SPD engine's drafters by name (a pipelined method's `drafter` option): each staged kind's network
+# (`DrafterKind.spd_drafter`), none (the plain pipeline: one token in flight) and the oracle (tests: it
+# proposes given reference tokens)
+NO_DRAFTER, ORACLE = "none", "oracle"
+ENGINE_DRAFTERS = (*(k.name for k in KINDS.values() if k.staged), NO_DRAFTER, ORACLE)
+
 _random_noted: set[str] = set()  # kinds whose random-drafter notice this process has given
 
 
@@ -29,6 +36,16 @@ def kind(name: str) -> DrafterKind:
     if name not in KINDS:
         raise ValueError(f"unknown drafter {name!r}: one of {', '.join(KINDS)}")
     return KINDS[name]
+
+
+def engine_drafter(name: str) -> DrafterKind | None:
+    """An SPD engine drafter's name -> its kind (a network), or None ("none", "oracle"); a ValueError for
+    another name."""
+    if name not in ENGINE_DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r} for the pipelined methods: one of {', '.join(ENGINE_DRAFTERS)} "
+                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
+                         "method=\"eagle3\"")
+    return KINDS.get(name)
 
 
 def of_config(config: Any) -> DrafterKind:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from spd_jax.config import ATTENTION, ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
+from spd_jax.drafters.psm.engine import PSMDrafter
 from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
@@ -202,7 +203,7 @@ KIND = DrafterKind(
     shipped=lambda model_name, plan: shipped_psm(model_name, plan.n), misfit=_misfit, cost=_cost,
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
     training=TRAINING, missing_hint="; train one with train.main", staged=True, random_flag="--random-psm",
-    teacher_drafts=drafts_by_fill,
+    teacher_drafts=drafts_by_fill, spd_drafter=PSMDrafter,
     why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
 
 
