@@ -126,7 +126,7 @@ def _decode(phase: str, args, cfg: ModelConfig, pb: int, anon: _AnonPeak) -> dic
         plan = plan_for(model, args.n)
         planned = memory.spd_device_bytes(cfg, args.n, engine_cache_len(args.prompt, args.new, args.n), pb, plan,
                                           memory.random_psm(cfg, plan, args.psm_layers))
-        # (the random PSM model.runtime keeps on each process's default device is that device's replica: no copy)
+        # (the random PSM model.placements keeps on each process's default device is that device's replica: no copy)
         host = args.n * planned.total
         per_token = st["wall_s"] / st["tokens"]
     else:

@@ -25,6 +25,7 @@ from spd_jax.decode import ar
 from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters.store import target_weights
 from spd_jax.models import decoder, schema
+from spd_jax.placements import Placements
 from spd_jax.sharding import STAGE, Placement, Rules
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -38,8 +39,8 @@ class Model:
     path: Path
     # The opened checkpoint, for placements that read their own slices later (a pipeline's stages).
     reader: Any | None = dataclasses.field(default=None, repr=False, compare=False)
-    # Device-side copies derived from params (e.g. stage-stacked weights), built on first use.
-    runtime: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Copies derived from params (decode layers, tensor-parallel and stage placements, drafters), built on first use
+    placements: Placements = dataclasses.field(default_factory=Placements, repr=False, compare=False)
 
     @property
     def dtype(self):
@@ -49,9 +50,7 @@ class Model:
     def weights_fingerprint(self) -> str:
         """`drafters.store.target_weights` of these weights (the same for float32 and bfloat16 loads),
         computed once: what a drafter checkpoint records of the model it was trained for."""
-        if "weights_fingerprint" not in self.runtime:
-            self.runtime["weights_fingerprint"] = target_weights(self.params)
-        return self.runtime["weights_fingerprint"]
+        return self.placements.get("host", "weights_fingerprint", lambda: target_weights(self.params))
 
     @property
     def layers_loaded(self) -> bool:
@@ -297,14 +296,10 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
     if weights_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"weights_dtype must be 'float32' or 'bfloat16', got {weights_dtype!r}")
-    if "decode_layers" not in model.runtime:
-        model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
-    params, layers = model.params, model.runtime["decode_layers"]
+    params, layers = model.params, methods.decode_layers(model)
     if weights_dtype != model.dtype:
-        key = f"batch_weights_{weights_dtype}"
-        if key not in model.runtime:
-            model.runtime[key] = (cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype))
-        params, layers = model.runtime[key]
+        params, layers = model.placements.get("host", ("batch_weights", weights_dtype), lambda: (
+            cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype)))
     seeds = (np.asarray(row_seeds, np.uint32) if row_seeds is not None
              else (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32))
     out, counts = ar.generate_batch(params, layers, jnp.asarray(batch),

@@ -118,9 +118,7 @@ class AR(Method):
 
     def placed(self, model) -> tuple[dict, dict, Placement | None]:
         """-> (params, per-layer decode copy, placement)."""
-        if "decode_layers" not in model.runtime:
-            model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], model.config)
-        return model.params, model.runtime["decode_layers"], None
+        return model.params, decode_layers(model), None
 
     def run(self, model, req: Request) -> tuple[list[int], dict]:
         cfg, sp, stream, P = model.config, req.sp, req.stream, int(req.prompt.size)
@@ -191,22 +189,28 @@ class AR(Method):
         return tokens, stats
 
 
+def decode_layers(model) -> dict:
+    """The model's layers as the decode loops read them (`decoder.decode_layers`), made once per model
+    (`model.placements`' slot "host": kept)."""
+    return model.placements.get("host", "decode_layers",
+                                lambda: decoder.decode_layers(model.params["layers"], model.config))
+
+
 def tp_runtime(model, n: int):
     """Params placed for n-way tensor parallelism (`sharding.TP_RULES`), their per-layer decode copy
     and the placement -> (params, layers, placement). Params loaded with that placement are used as
-    they are; others are resharded once (one tensor-parallel placement kept at a time)."""
-    key = ("tp", n)
-    if key not in model.runtime:
-        for old in [k for k in model.runtime if k[0] == key[0]]:
-            del model.runtime[old]
+    they are; others are resharded once (`model.placements`' slot "tp": one tensor-parallel placement kept at
+    a time)."""
+    def build():
         cfg = model.config
         placement = Placement(model_mesh(n), TP_RULES, tuple(schema.axis_units(cfg).items()))
         shardings = placement.shardings(schema.param_axes(cfg))
         same = all(getattr(a, "sharding", None) == b for a, b in zip(jax.tree.leaves(model.params),
                                                                      jax.tree.leaves(shardings)))
         params = model.params if same else put(model.params, shardings)
-        model.runtime[key] = (params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement)
-    return model.runtime[key]
+        return params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement
+
+    return model.placements.get("tp", "params", build, placement=n)
 
 
 @dataclasses.dataclass(frozen=True)

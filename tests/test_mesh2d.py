@@ -9,6 +9,7 @@ import pytest
 
 import spd_jax
 from spd_jax import methods
+from spd_jax.decode import pipelined
 from spd_jax.decode.sampling import Sampling
 from spd_jax.sharding import MODEL, STAGE
 from two_tokens import TwoTokens
@@ -58,7 +59,8 @@ def test_greedy_equals_autoregressive_on_a_stage_model_mesh(deep, model_type, me
     else:
         assert s["cycles"] == 23 * n
     # the stage weights are split over both axes: layers by stage, heads / MLP columns by model
-    placed = next(v for k, v in model.runtime.items() if k[0] == "stage_weights" and k[2] == tp)[0]
+    assert model.placements.placement(pipelined.STAGE_SLOT)[1] == tp
+    placed = model.placements.entries(pipelined.STAGE_SLOT)["weights"][0]
     specs = [w.sharding.spec for per in placed.values() for leaves in per for w in leaves.values()]
     assert all(sp[0] == STAGE for sp in specs) and any(MODEL in sp for sp in specs)
     # the program's collective-permutes are the pipeline's hand-overs between stages (prefill, decode) alone:

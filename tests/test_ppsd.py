@@ -20,6 +20,7 @@ from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.ppsd import EXIT, EarlyExit, PPSDCheckpointError, PPSDConfig, init_ppsd, save_ppsd
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
+from spd_jax.placements import Placements
 from spd_jax import methods
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
@@ -69,7 +70,7 @@ def _rest_is_the_last_layer(model, plan):
         for key in ("wo", "w_down", "w_out"):
             if key in layers[kinds[i]]:
                 layers[kinds[i]][key] = layers[kinds[i]][key].at[j].set(0.0)
-    edited = dataclasses.replace(model, params=dict(model.params, layers=layers), runtime={})
+    edited = dataclasses.replace(model, params=dict(model.params, layers=layers), placements=Placements())
     v = init_ppsd(cfg, spec, model.params)
     for key, w in model.params["layers"]["attention"].items():
         v["params"][f"layer_{key}"] = w[-1:]

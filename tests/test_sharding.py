@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import spd_jax
+from spd_jax.decode import pipelined
 from spd_jax.models import schema
 from spd_jax.pipeline import stages
 from spd_jax.sharding import (STAGE_RULES, TP_RULES, Placement, logical_spec, model_mesh, stage_mesh,
@@ -85,7 +86,8 @@ def test_tp_sharded_load_places_every_leaf_by_the_rules(tiny_ckpt):
     assert split >= 7  # embed, lm_head, wq, wo (4 query heads), w_gate, w_up, w_down really are split
     assert spd_jax.generate(model, PROMPT, 16, method=methods.TP(n=n)).token_ids == \
         spd_jax.generate(whole, PROMPT, 16).token_ids
-    assert model.runtime[("tp", n)][0] is model.params  # used in place, not resharded
+    assert model.placements.placement("tp") == n
+    assert model.placements.entries("tp")["params"][0] is model.params  # used in place, not resharded
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
@@ -101,10 +103,9 @@ def test_stage_rules_put_each_stage_on_its_own_device(tiny_ckpt, model_type):
         spd_jax.generate(model, PROMPT, 4)
     ref = spd_jax.generate(whole, PROMPT, 16, stop_at_eos=False).token_ids
     assert spd_jax.generate(model, PROMPT, 16, method=methods.Pipeline(n=n), stop_at_eos=False).token_ids == ref
-    (key,) = [k for k in model.runtime if k[0] == "stage_weights"]
-    stage_w = model.runtime[key][0]
+    stage_w = model.placements.entries(pipelined.STAGE_SLOT)["weights"][0]
     cfg = model.config
-    layout = key[1]  # the cached stacks are keyed by their StageLayout
+    layout, _ = model.placements.placement(pipelined.STAGE_SLOT)  # the stage weights are kept at (layout, tp)
     ids = stages.stage_layer_ids(cfg, layout)
     kind_pos = {kind: np.cumsum([t == kind for t in cfg.layer_types]) - 1 for kind in ids}
     for kind, per_position in stage_w.items():  # one buffer [n, ...] per position j in a stage's layers of the kind
@@ -132,9 +133,9 @@ def test_spd_places_one_target_head_for_the_psm_and_the_verification(tiny_ckpt, 
     ref = spd_jax.generate(model, PROMPT, 12, stop_at_eos=False).token_ids
     for n in (2, 4):
         assert spd_jax.generate(model, PROMPT, 12, method=methods.SPD(n=n, spec="random"), stop_at_eos=False).token_ids == ref
-        ((key, (_, _, shared)),) = [(k, v) for k, v in model.runtime.items() if k[0] == "stage_weights"]
-        ((pkey, placed),) = [(k, v) for k, v in model.runtime.items() if k[0] == "psm_on_mesh"]
-        assert pkey[-1] == key[1]  # placed for this layout
+        kept = model.placements.entries(pipelined.STAGE_SLOT)  # this layout's: the last n's dropped
+        assert model.placements.placement(pipelined.STAGE_SLOT)[0].plan.n == n
+        (_, _, shared), ((_, placed),) = kept["weights"], [(k, v) for k, v in kept.items() if k != "weights"]
         head = decoder.lm_head(shared, model.config)
         assert placed["params"]["lm_head"] is head and len(head.sharding.device_set) == n
 

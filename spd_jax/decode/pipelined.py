@@ -30,6 +30,7 @@ from spd_jax.sharding import (MODEL, STAGE_RULES, STAGE_TP_RULES, Placement, log
                               stage_model_mesh)
 
 _compiled = CompileCache()
+STAGE_SLOT = "stage"  # `model.placements`' slot of the stage weights and the drafters placed on their mesh
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -105,7 +106,8 @@ def place_psm(variables: dict, psm_cfg, shared_on_mesh: dict, cfg, rep) -> dict:
 
 class EngineDraft(NamedTuple):
     """The SPD engine's drafter for one call: the `SpdDrafter`, how its params go on the stage mesh
-    (place(prompt length, cache_len, stage layout, shared weights placed, replicated sharding)), and, for a
+    (place(prompt length, cache_len, the stage placement (layout, tp), shared weights placed, replicated
+    sharding)), and, for a
     drafter with a network, its kind's config and label (in stats under label_key: "psm", "ppsd")."""
 
     drafter: Any
@@ -124,7 +126,7 @@ def engine_draft(model, plan: StagePlan, opts) -> EngineDraft:
     if opts.engine_drafter == registry.ORACLE:
         return _oracle_draft(model, opts.oracle_tokens)
     return EngineDraft(NoDrafter(model.config.vocab_size),
-                       lambda prompt_len, cache_len, layout, shared, rep: put((), rep))
+                       lambda prompt_len, cache_len, where, shared, rep: put((), rep))
 
 
 def _network_draft(kind, model, plan: StagePlan, opts) -> EngineDraft:
@@ -137,14 +139,17 @@ def _network_draft(kind, model, plan: StagePlan, opts) -> EngineDraft:
         return drafter.engine_params(jax.tree.map(
             lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, variables))
 
-    def place(prompt_len, cache_len, layout, shared, rep):
+    def place(prompt_len, cache_len, where, shared, rep):
         if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
             return put(engine_layout(), rep)
-        key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
-        if key not in model.runtime:
-            model.runtime[key] = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
-            registry.keep_placed(model, variables, model.runtime[key])
-        return model.runtime[key]
+
+        def build():
+            placed = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
+            registry.keep_placed(model, variables, placed)
+            return placed
+
+        # replicated once per (drafter, stage placement), not per call; kept beside the stage weights
+        return model.placements.get(STAGE_SLOT, ("drafter", label, d_cfg), build, placement=where)
 
     return EngineDraft(drafter, place, d_cfg, label, kind.name)
 
@@ -153,7 +158,7 @@ def _oracle_draft(model, oracle_tokens) -> EngineDraft:
     if oracle_tokens is None:
         raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
 
-    def place(prompt_len, cache_len, layout, shared, rep):  # the reference token at every position of the cache
+    def place(prompt_len, cache_len, where, shared, rep):  # the reference token at every position of the cache
         ref = np.zeros((cache_len,), np.int32)
         toks = np.asarray(oracle_tokens, np.int32)[: cache_len - prompt_len]
         ref[prompt_len:prompt_len + toks.size] = toks
@@ -229,19 +234,17 @@ def _new_state(*, cfg, layout: stages.StageLayout, cache_len: int, dtype, drafte
 def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, prompt_len: int,
                  cache_len: int) -> Placed:
     """Place what the engine reads for one call. The stage weights, programs and shared weights are kept in
-    model.runtime per layout and mesh (one placement at a time); the caches and the drafter's state are new,
+    `model.placements`' stage slot at (layout, tp), one placement at a time (with the drafters placed beside
+    them: `place_psm` may share their head); the caches and the drafter's state are new,
     each device making only its own block (nothing of the whole [devices, ...] stack is built in one place).
     mesh: `stage`, or `stage x model` (`engine_mesh`): there the stage weights are also split over `model`."""
     cfg = model.config
     tp = dict(mesh.shape).get(MODEL, 1)
     placement = Placement(mesh, STAGE_RULES if tp == 1 else STAGE_TP_RULES, tuple(stage_units(cfg, tp).items()))
     rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
-    key = ("stage_weights", layout, tp)
-    if key not in model.runtime:
-        # one placement at a time: stage weights are a copy of the layers (and a placed PSM may share
-        # the placed head, `place_psm`)
-        for old in [k for k in model.runtime if k[0] in ("stage_weights", "psm_on_mesh")]:
-            del model.runtime[old]
+    where = (layout, tp)
+
+    def build():
         if model.layers_loaded:
             stage_w = placement.put(stages.stack_stage_weights(model.params["layers"], cfg, layout),
                                     stages.stage_weight_axes(cfg, layout))
@@ -250,12 +253,13 @@ def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, pr
         # the embedding and heads as the stage rules place them (split by vocabulary rows where the devices divide
         # the vocabulary): used as they are when the model was loaded with them
         axes = {k: a for k, a in schema.param_axes(cfg).items() if k != "layers"}
-        model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
-                              placement.put({k: model.params[k] for k in axes}, axes))
-    stage_w, prog, shared = model.runtime[key]
+        return (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st),
+                placement.put({k: model.params[k] for k in axes}, axes))
+
+    stage_w, prog, shared = model.placements.get(STAGE_SLOT, "weights", build, placement=where)
     caches, dstate = _new_state(cfg=cfg, layout=layout, cache_len=cache_len, dtype=jnp.dtype(model.dtype),
                                 drafter=draft.drafter, sharding=st)
-    return Placed(stage_w, prog, shared, draft.place(prompt_len, cache_len, layout, shared, rep), caches, dstate)
+    return Placed(stage_w, prog, shared, draft.place(prompt_len, cache_len, where, shared, rep), caches, dstate)
 
 
 def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampling, opts, *,
