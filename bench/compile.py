@@ -30,13 +30,13 @@ from spd_jax.sharding import request_cpu_devices
 
 
 def _child(args) -> int:
-    method = METHODS[args.method]
+    method = METHODS[args.method].taking(n=args.n, spec="random")
     if method.multi_process:
         request_cpu_devices(args.n)  # before JAX initialises its backend (the first array)
     spd_jax.enable_persistent_cache(args.cache)
     model = spd_jax.load_model(args.model)
     ids = np.random.default_rng(0).integers(10, model.config.vocab_size, args.prompt_len).tolist()
-    res = spd_jax.generate(model, ids, 2, method=args.method, n=args.n, spec="random", stop_at_eos=False)
+    res = spd_jax.generate(model, ids, 2, method=method, stop_at_eos=False)
     print(json.dumps(dict(compile_s=res.stats["compile_s"], compile_from=res.stats["compile_from"],
                           peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
     return 0

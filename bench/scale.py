@@ -114,25 +114,23 @@ def _prompt(cfg: ModelConfig, length: int) -> list[int]:
 def _decode(phase: str, args, cfg: ModelConfig, pb: int, anon: _AnonPeak) -> dict:
     """spd, ar or tp: load as the method's CLI would (over this job's processes), greedy tokens, the figures."""
     multi = jax.process_count() > 1
-    method = methods.get(phase)
-    opts = method.options(n=args.n, spec="random", **(dict(psm_layers=args.psm_layers) if method.staged else {}))
-    mesh, rules = method.load_placement(opts, True) or (None, None)  # each device reads only its shards
+    method = methods.get(phase).taking(n=args.n, spec="random", psm_layers=args.psm_layers)  # a random PSM
+    mesh, rules = method.load_placement(True) or (None, None)  # each device reads only its shards
     t0 = time.perf_counter()
     model = spd_jax.load_model(args.ckpt, dtype=args.dtype, mesh=mesh, rules=rules)
     jax.block_until_ready(model.params)
     load_s, load_peak = time.perf_counter() - t0, _peak_gb()
-    res = spd_jax.generate(model, _prompt(cfg, args.prompt), args.new, method=phase, stop_at_eos=False, n=args.n,
-                           spec="random", **(dict(psm_layers=args.psm_layers) if method.staged else {}))  # a random PSM
+    res = spd_jax.generate(model, _prompt(cfg, args.prompt), args.new, method=method, stop_at_eos=False)
     st = res.stats
     if method.staged:
         plan = plan_for(model, args.n)
         planned = memory.spd_device_bytes(cfg, args.n, engine_cache_len(args.prompt, args.new, args.n), pb, plan,
                                           memory.random_psm(cfg, plan, args.psm_layers))
-        # (the random PSM model.runtime keeps on each process's default device is that device's replica: no copy)
+        # (the random PSM model.placements keeps on each process's default device is that device's replica: no copy)
         host = args.n * planned.total
         per_token = st["wall_s"] / st["tokens"]
     else:
-        devices = method.devices(opts)
+        devices = method.devices()
         cache_len = round_up(max(args.prompt + args.new, round_up(args.prompt, PROMPT_BUCKET)), CACHE_BUCKET)
         planned = memory.tp_device_bytes(cfg, devices, cache_len, pb)
         host = devices * planned.total  # loaded with the method's rules: used as placed, no resharded copy

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import spd_jax  # imports JAX without starting its backend: main still picks the device count
 from spd_jax import methods
 from spd_jax.decode.pipelined import plan_for
+from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters.kind import Form
 from spd_jax.drafters.psm import PSMConfig, read_spec
 from spd_jax.costs import calibration, cycle
@@ -71,30 +72,30 @@ def main(argv=None) -> int:
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
     # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
-    kw = dict(stop_at_eos=False, n=args.n) | (dict(spec="random", psm_layers=args.psm_layers)
-                                              if args.psm_layers else {})
+    opts = dict(n=args.n) | (dict(spec="random", psm_layers=args.psm_layers) if args.psm_layers else {})
+    spd_m, pipe_m = methods.SPD(**opts), methods.Pipeline(**opts)
 
     def ar_step():
         r = spd_jax.generate(model, ids, N, stop_at_eos=False)
         return 1e3 * r.stats["decode_s"] / (N - 1)
 
     def cycle(method):
-        full = spd_jax.generate(model, ids, N, method=method, **kw).stats
-        pre = spd_jax.generate(model, ids, 1, method=method, **kw).stats
+        full = spd_jax.generate(model, ids, N, method=method, stop_at_eos=False).stats
+        pre = spd_jax.generate(model, ids, 1, method=method, stop_at_eos=False).stats
         return 1e3 * (full["wall_s"] - pre["wall_s"]) / full["cycles"], full
 
-    ar_step(), cycle("spd"), cycle("pipeline")  # warm-up (compiles)
+    ar_step(), cycle(spd_m), cycle(pipe_m)  # warm-up (compiles)
     # what one cycle communicates: the collectives in the compiled loop's body, greedy and sampled
     comm = {}
-    for label, method, temp in (("spd", "spd", 0.0), ("pipeline", "pipeline", 0.0), ("spd, sampled T=1", "spd", 1.0)):
-        spd_jax.generate(model, ids, 2, method=method, temperature=temp, **kw)
-        comm[label] = loop_collectives(methods.get(method).compiled.latest().as_text())
+    for label, method, temp in (("spd", spd_m, 0.0), ("pipeline", pipe_m, 0.0), ("spd, sampled T=1", spd_m, 1.0)):
+        spd_jax.generate(model, ids, 2, sampling=Sampling(temperature=temp), method=method, stop_at_eos=False)
+        comm[label] = loop_collectives(method.compiled.latest().as_text())
     ar, spd, pipe = [], [], []
     for _ in range(args.repeats):
         ar.append(ar_step())
-        spd.append(cycle("spd")[0])
-        pipe.append(cycle("pipeline")[0])
-    _, spd_stats = cycle("spd")
+        spd.append(cycle(spd_m)[0])
+        pipe.append(cycle(pipe_m)[0])
+    _, spd_stats = cycle(spd_m)
     plan = plan_for(model, args.n)  # the engine's default, what spd ran above
     psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != Form.RANDOM.value else 2)
     prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2)

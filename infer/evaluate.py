@@ -50,6 +50,7 @@ from infer.generate import csv_of
 from spd_jax import distributed
 from spd_jax.datasets import BENCHMARKS, read_benchmark
 from spd_jax.decode import pipelined
+from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters import registry, store
 from spd_jax.drafters.kind import DrafterRef, Form
 from spd_jax.drafters.store import content_id
@@ -99,7 +100,7 @@ def drafter_id(model, method: str, n: int, spec=None, drafter=None, ppsd=None) -
     shipped; ppsd's head, or the one shipped for this model and n)."""
     m = method_named(method)
     ref = drafter_ref(method, n, spec, drafter, ppsd)
-    source = m.drafter_source(model, m.options(n=n, spec=ref, drafter_spec=ref))
+    source = m.taking(n=n, spec=ref, drafter_spec=ref).drafter_source(model)
     if source is None:
         return None
     src = source.found  # a checkpoint path, the given reference, or None for a random one
@@ -185,8 +186,9 @@ def evaluate(model, benches: dict[str, list[dict]], methods, ns, temperatures, m
             ids = p["ids"] if "ids" in p else model.encode(p["text"])
             shape, ref = row_shape(method), drafter_ref(method, max(n, 1), spec, drafter, ppsd)
             # each method reads its own drafter option: spd `spec`, eagle3 and ppsd `drafter_spec`
-            res = spd_jax.generate(model, ids, max_new_tokens, seed=seed, method=method, n=max(n, 1), spec=spec,
-                                   drafter_spec=ref, **(dict(k=k) if shape.chain else {}), **SAMPLING[temp])
+            res = spd_jax.generate(model, ids, max_new_tokens, sampling=Sampling(**SAMPLING[temp], seed=seed),
+                                   method=method_named(method).taking(n=max(n, 1), spec=spec, drafter_spec=ref,
+                                                                      **(dict(k=k) if shape.chain else {})))
             s = res.stats
             # target passes after prefill: SPD / pipeline cycles, eagle3 verification rounds, one per ar token
             cycles = s["rounds"] if shape.chain else s.get("cycles", s["tokens"])

@@ -18,6 +18,7 @@ import spd_jax
 from spd_jax import distributed
 from spd_jax.datasets import PROMPT_FIELDS, prompt_field
 from spd_jax.decode.pipelined import PSM_PLACEMENTS
+from spd_jax.decode.sampling import Sampling
 from spd_jax.methods import METHODS
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
@@ -153,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
-    method = METHODS[args.mode]
-    if args.processes is not None and not method.multi_process:
+    if args.processes is not None and not METHODS[args.mode].multi_process:
         print(f"error: --mode {args.mode} runs on one device in one process; --processes is for "
               + ", ".join(m.name for m in METHODS.values() if m.multi_process), file=sys.stderr)
         return 2
@@ -162,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.launch(args.processes, "infer.generate", distributed.worker_argv(argv), args.local_devices)
     spec = "random" if args.random_psm else args.spec
     try:
-        if args.tp != 1 and not method.staged:
+        if args.tp != 1 and not METHODS[args.mode].staged:
             raise ValueError(f"--tp is for the pipelined modes ({', '.join(m.name for m in METHODS.values() if m.staged)})"
                              f"; --mode {args.mode} takes none (its devices, if several, are --n)")
-        opts = method.options(n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
-                              psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter, tp=args.tp)
-        routed = distributed.processes_for_size(args, args.model, method.devices(opts)) if method.multi_process else None
+        # the mode's options from the flags it takes: the one value that reaches the engine
+        method = METHODS[args.mode].taking(n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
+                                           psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter,
+                                           tp=args.tp)
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        routed = distributed.processes_for_size(args, args.model, method.devices()) if method.multi_process else None
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # On a CPU-only host the devices are host devices (split over the processes of a multi-process
         # job); this must precede JAX's initialisation.
-        cluster = distributed.setup(args, method.devices(opts))
+        cluster = distributed.setup(args, method.devices())
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -188,15 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         texts = None if args.prompt_ids is not None else (
             args.prompt or (read_prompt_file(args.prompt_file) if args.prompt_file else [DEFAULT_PROMPT]))
-        placement = method.load_placement(opts, cluster is not None)
+        placement = method.load_placement(cluster is not None)
         mesh, rules = placement if placement else (None, None)
         model = spd_jax.load_model(args.model, dtype=args.dtype, mesh=mesh, rules=rules)
         if texts is None:
             jobs = [(None, args.prompt_ids)]
         else:
             jobs = [(t, model.encode(t, chat=args.chat)) for t in texts]
-        if method.random_drafter_on_request and method.drafter_ref(opts) is None:  # random only when asked for
-            found, why = method.drafter_source(model, opts)
+        if method.random_drafter_on_request and method.drafter_ref() is None:  # random only when asked for
+            found, why = method.drafter_source(model)
             if found is None:
                 k = method.drafter_kind
                 raise ValueError(f"no trained {k.label} to run: {why}; pass {k.flag} DIR ({k.a_label} train.main "
@@ -206,12 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             stream = None if args.json or not method.streams or cluster else _TextStream(model)
             if leader and not args.json:
                 print(f"\n>>> {text if text is not None else ids}\n", file=sys.stderr)
-            res = spd_jax.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.mode,
-                                   stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream,
-                                   n=args.n, stage_layers=args.stages, spec=spec, psm_layers=args.psm_layers,
-                                   psm_placement=args.psm_placement, k=args.k, drafter_spec=args.drafter,
-                                   tp=args.tp)
+            res = spd_jax.generate(model, ids, args.max_new_tokens, sampling=sampling, method=method,
+                                   stop_at_eos=not args.no_eos, max_len=args.max_len, stream=stream)
             out_text = model.decode(res.token_ids)
             if not leader:
                 continue

@@ -22,9 +22,10 @@ from spd_jax.config import ModelConfig
 from spd_jax.convert import defaults
 from spd_jax.convert.hf import CheckpointReader
 from spd_jax.decode import ar
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters.store import target_weights
 from spd_jax.models import decoder, schema
+from spd_jax.placements import Placements
 from spd_jax.sharding import STAGE, Placement, Rules
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -38,8 +39,8 @@ class Model:
     path: Path
     # The opened checkpoint, for placements that read their own slices later (a pipeline's stages).
     reader: Any | None = dataclasses.field(default=None, repr=False, compare=False)
-    # Device-side copies derived from params (e.g. stage-stacked weights), built on first use.
-    runtime: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Copies derived from params (decode layers, tensor-parallel and stage placements, drafters), built on first use
+    placements: Placements = dataclasses.field(default_factory=Placements, repr=False, compare=False)
 
     @property
     def dtype(self):
@@ -49,9 +50,7 @@ class Model:
     def weights_fingerprint(self) -> str:
         """`drafters.store.target_weights` of these weights (the same for float32 and bfloat16 loads),
         computed once: what a drafter checkpoint records of the model it was trained for."""
-        if "weights_fingerprint" not in self.runtime:
-            self.runtime["weights_fingerprint"] = target_weights(self.params)
-        return self.runtime["weights_fingerprint"]
+        return self.placements.get("host", "weights_fingerprint", lambda: target_weights(self.params))
 
     @property
     def layers_loaded(self) -> bool:
@@ -207,51 +206,36 @@ def _request(model: Model, prompt_ids, max_new_tokens, max_len) -> np.ndarray:
     return prompt
 
 
-def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0, *, method: str = "ar",
-             stop_at_eos: bool = True, max_len: int | None = None,
-             stream: Callable[[int], None] | None = None, n: int = 8, stage_layers: Sequence[int] | None = None,
-             spec=None, psm_layers: int = 2, drafter: str | None = None,
-             oracle_tokens: Sequence[int] | None = None, psm_placement="auto",
-             k: int = 3, drafter_spec=None, tp: int = 1) -> GenerateResult:
-    """Generate a continuation of one prompt with the method named `method` (`spd_jax.methods.METHODS`).
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int = 128, *,
+             sampling: Sampling | None = None, method: methods.Method | str = "ar", stop_at_eos: bool = True,
+             max_len: int | None = None, stream: Callable[[int], None] | None = None) -> GenerateResult:
+    """Generate a continuation of one prompt with a decoding method.
 
-    prompt_ids: the prompt's token ids (text: `model.encode(text)` first). max_len: the context limit,
-    at most (and by default) the model's max_position_embeddings; the prompt plus max_new_tokens must
-    fit in it. stream: called with each token id as it commits (a host callback from inside the
-    on-device loop; "ar" and "tp").
-    method: "ar" (plain autoregressive), "tp" (the same, tensor-parallel over n devices), "pipeline"
-    (n stages, one token in flight), "spd" (speculative pipeline decoding) or "ppsd" (the same engine with an
-    early-exit drafter). For the pipelined
-    methods: n stages (one device each), stage_layers (explicit per-stage layer counts), spec (the PSM:
-    a `drafters.kind.DrafterRef`, or a checkpoint directory; None: the PSM shipped for a default model
-    at this n, else a random one; "random": an untrained PSM; (PSMConfig, variables)), psm_layers (Ls of
-    a random PSM), drafter (override: "psm", "none", or "oracle" with oracle_tokens, for tests; EAGLE-3
-    is method="eagle3", not a drafter), psm_placement (where the PSM body runs: "auto", the stage the
-    cost model finds fastest; "last"; a stage index; or "own", a device of its own, n + 1 devices in all),
-    tp (each stage tensor-parallel over tp devices: a `stage x model` mesh of n * tp devices; its heads and MLP
-    columns split as method "tp" splits them, refused when tp divides none of the head counts).
-    "ppsd": the pipelined engine with PPSD's early-exit head (`drafters.ppsd`) drafting after stage 0's step;
-    drafter_spec: the head, in the forms spec takes (None: the one shipped for a default model at this n and
-    stage plan, else a random one; "random").
-    "eagle3": chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter:
-    k drafts per round, one target pass over k + 1 positions; drafter_spec: the drafter, in the forms
-    spec takes (None: the one shipped for a default model, else a random one).
+    prompt_ids: the prompt's token ids (text: `model.encode(text)` first). sampling: how tokens are chosen
+    (`Sampling(temperature, top_k, top_p, seed)`; default greedy). method: a `spd_jax.methods` options
+    object, or its name for its defaults (`methods.METHODS`):
+    `AR()` (plain autoregressive), `TP(n)` (the same, tensor-parallel over n devices), `Pipeline(n)` (n
+    stages, one token in flight), `SPD(n, ...)` (speculative pipeline decoding: the PSM drafting one token per
+    cycle), `PPSD(n, ...)` (the same engine with an early-exit drafter after stage 0's step) and `EAGLE3(k)`
+    (chain speculative decoding on one device with the EAGLE-3-style drafter, k drafts per round, one target
+    pass over k + 1 positions). Their options (stage_layers, spec, psm_layers, psm_placement, tp, drafter_spec,
+    ...) are documented on the classes.
+    max_len: the context limit, at most (and by default) the model's max_position_embeddings; the prompt
+    plus max_new_tokens must fit in it. stream: called with each token id as it commits (a host callback
+    from inside the on-device loop; `AR` and `TP`).
     Returns the generated ids and stats (tokens, timings and what they include).
     """
     m = methods.get(method)
-    sp = SamplingParams(temperature, top_k, top_p, seed)
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling (spd_jax.Sampling(temperature, top_k, top_p, seed)), got "
+                        f"{type(sampling).__name__}")
     prompt = _request(model, prompt_ids, max_new_tokens, max_len)
-    m.check(drafter, stream)
-    if tp != 1 and not m.staged:  # else silently one device, or method "tp"'s n devices
-        raise ValueError(f"tp={tp} (tensor-parallel stages) is for the pipelined methods "
-                         + ", ".join(repr(x.name) for x in methods.METHODS.values() if x.staged)
-                         + f"; method {method!r} takes none (its devices, if several, are n)")
-    opts = m.options(n=n, stage_layers=stage_layers, spec=spec, psm_layers=psm_layers, drafter=drafter,
-                     oracle_tokens=oracle_tokens, psm_placement=psm_placement, k=k, drafter_spec=drafter_spec,
-                     tp=tp)
-    req = methods.Request(prompt, int(max_new_tokens), sp, stop_at_eos, stream)
-    return GenerateResult(*m.run(model, req, opts))
+    if stream is not None and not m.streams:
+        raise ValueError("streaming is available for method="
+                         + " and ".join(repr(x.name) for x in methods.METHODS.values() if x.streams) + " only")
+    req = methods.Request(prompt, int(max_new_tokens), Sampling() if sampling is None else sampling, stop_at_eos,
+                          stream)
+    return GenerateResult(*m.run(model, req))
 
 
 def cast_matrices(tree, dtype: str):
@@ -298,8 +282,8 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     if row_seeds is not None and len(row_seeds) != len(rows):
         raise ValueError(f"seed holds {len(row_seeds)} seeds for {len(rows)} prompts: give one per prompt, or one int")
     for s in row_seeds or ():
-        SamplingParams(temperature, top_k, top_p, s)  # each checked as a seed
-    sp = SamplingParams(temperature, top_k, top_p, seed if row_seeds is None else 0)
+        Sampling(temperature, top_k, top_p, s)  # each checked as a seed
+    sp = Sampling(temperature, top_k, top_p, seed if row_seeds is None else 0)
     P = max(p.size for p in rows)
     p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
     out_len = ar.round_up(max_len - 1, ar.OUT_BUCKET)  # per-row max_new bounds the loop: one shape per max_len
@@ -312,14 +296,10 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
     if weights_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"weights_dtype must be 'float32' or 'bfloat16', got {weights_dtype!r}")
-    if "decode_layers" not in model.runtime:
-        model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], cfg)
-    params, layers = model.params, model.runtime["decode_layers"]
+    params, layers = model.params, methods.decode_layers(model)
     if weights_dtype != model.dtype:
-        key = f"batch_weights_{weights_dtype}"
-        if key not in model.runtime:
-            model.runtime[key] = (cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype))
-        params, layers = model.runtime[key]
+        params, layers = model.placements.get("host", ("batch_weights", weights_dtype), lambda: (
+            cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype)))
     seeds = (np.asarray(row_seeds, np.uint32) if row_seeds is not None
              else (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32))
     out, counts = ar.generate_batch(params, layers, jnp.asarray(batch),

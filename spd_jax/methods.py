@@ -1,12 +1,14 @@
-"""Decoding methods as objects: `ar`, `tp`, `pipeline`, `spd`, `ppsd` and `eagle3`, each a small class with typed
-options and its own compile cache, looked up by name in `METHODS` (as gemma's sampler and MaxText's
-engine interface keep decoding apart from the network). A method runs a checked `Request` on a loaded
-model and returns (token ids, stats); `api.generate` validates the request, picks the method and runs
-it. What differs between methods (devices, streaming, the drafter it takes, how a CLI loads the model
-for it, a one-line summary of its stats) is said here, so callers never compare method names.
+"""Decoding methods as typed options objects: `AR()`, `TP(n=2)`, `Pipeline(n=8)`, `SPD(n=8, psm_placement="auto")`,
+`PPSD(n=8)` and `EAGLE3(k=3)`, each a small frozen dataclass whose fields are its options (checked when it is
+made) and whose class holds its compile cache (as gemma's sampler and MaxText's engine interface keep
+decoding apart from the network). `api.generate` takes one (or a name in `METHODS`: that method's
+defaults), validates the request and runs it: the method runs a checked `Request` on a loaded model and
+returns (token ids, stats). What differs between methods (devices, streaming, the drafter it takes, how a
+CLI loads the model for it, a one-line summary of its stats) is said here, so callers never compare
+method names.
 
-The loops live in `spd_jax.decode`; the drafters in `spd_jax.drafters`. This module does no request
-validation beyond each method's own options.
+The loops live in `spd_jax.decode`, which receive the options object as it is; the drafters in
+`spd_jax.drafters`. This module does no request validation beyond each method's own options.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from spd_jax.decode import ar
 from spd_jax.decode.chain import generate_chain
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
 from spd_jax.decode.pipelined import generate_pipelined, plan_for
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters import registry
 from spd_jax.drafters.eagle3 import Eagle3Drafter, drafter_params
 from spd_jax.drafters.kind import DrafterKind
@@ -37,25 +39,25 @@ class Request(NamedTuple):
 
     prompt: np.ndarray  # int64 [P] token ids
     max_new_tokens: int
-    sp: SamplingParams
+    sp: Sampling
     stop_at_eos: bool = True
     stream: Callable[[int], None] | None = None
 
 
+def _positive(name: str, v, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} ({what}) must be a positive integer, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class NoOptions:
-    pass
-
-
 class Method:
-    """One decoding method. Subclasses set `name`, `Options` and `run`."""
+    """One decoding method and its options (a subclass's dataclass fields). Subclasses set `name` and `run`;
+    each class has its own compile cache (`compiled`), shared by all its option values."""
 
     name: ClassVar[str]
-    Options: ClassVar[type] = NoOptions
+    compiled: ClassVar[CompileCache]  # its executables, keyed by shapes and compile-time switches
     streams: ClassVar[bool] = False  # calls `stream` with each token as it commits
     multi_process: ClassVar[bool] = False  # runs over devices that may span processes (--processes)
-    takes_drafter: ClassVar[bool] = False  # takes generate(drafter=...): the engine drafter by name
-    drafter_hint: ClassVar[str] = ""  # where a misplaced drafter= belongs instead
     drafter_kind: ClassVar[DrafterKind | None] = None  # the network drafter it runs
     random_drafter_on_request: ClassVar[bool] = False  # a CLI runs a random drafter only when asked for it
     baseline: ClassVar[bool] = False  # the one-device autoregressive reference the others are compared with
@@ -64,41 +66,34 @@ class Method:
     staged: ClassVar[bool] = False  # runs over n pipeline stages (a stage plan the model must split into)
     chain: ClassVar[bool] = False  # k drafts per round, verified by one target pass (its steps are rounds)
 
-    def __init__(self):
-        self.compiled = CompileCache()  # its executables, keyed by shapes and compile-time switches
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.compiled = CompileCache()
 
-    def options(self, **given) -> Any:
-        """generate's keyword arguments -> this method's `Options` (the fields it names; others ignored)."""
-        return self.Options(**{f.name: given[f.name] for f in dataclasses.fields(self.Options) if f.name in given})
+    @classmethod
+    def taking(cls, **given) -> "Method":
+        """This method with those of given's options it takes (its fields; others ignored: a CLI passes every
+        flag it has to whichever method it runs)."""
+        return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
 
-    def check(self, drafter: str | None, stream) -> None:
-        """Refuse a drafter name or a stream this method does not take."""
-        if drafter is not None and not self.takes_drafter:
-            takers = " or ".join(repr(m.name) for m in METHODS.values() if m.takes_drafter)
-            raise ValueError(f"drafter={drafter!r} is for method {takers}; method {self.name!r} takes none"
-                             + self.drafter_hint)
-        if stream is not None and not self.streams:
-            raise ValueError(f"streaming is available for method="
-                             + " and ".join(repr(m.name) for m in METHODS.values() if m.streams) + " only")
-
-    def devices(self, opts) -> int:
-        """How many devices a run with opts uses."""
+    def devices(self) -> int:
+        """How many devices a run uses."""
         return 1
 
-    def load_placement(self, opts, processes: bool) -> tuple[Any, Rules] | None:
+    def load_placement(self, processes: bool) -> tuple[Any, Rules] | None:
         """(mesh, rules) a CLI loads the model with for this method (`api.load_model`), or None: whole."""
         return None
 
-    def drafter_source(self, model, opts) -> registry.Source | None:
-        """Which drafter checkpoint a run with opts would use, without loading it (None: no network drafter)."""
+    def drafter_source(self, model) -> registry.Source | None:
+        """Which drafter checkpoint a run would use, without loading it (None: no network drafter)."""
         return None
 
-    def drafter_ref(self, opts) -> Any:
-        """The drafter a run with opts names, as given (a `DrafterRef` or its older forms; None: the shipped one,
-        or no network drafter)."""
+    def drafter_ref(self) -> Any:
+        """The drafter this names, as given (a `DrafterRef` or its older forms; None: the shipped one, or no
+        network drafter)."""
         return None
 
-    def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
+    def run(self, model, req: Request) -> tuple[list[int], dict]:
         raise NotImplementedError
 
     def steps(self, stats: dict) -> int:
@@ -109,13 +104,11 @@ class Method:
         """The stats a CLI prints after a run, in one line."""
         return f"decode {stats['decode_tokens_per_s']:.1f} tok/s on {stats['devices']} device(s)"
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
 
 # ---------------------------------------------------------------- ar, tp
 
 
+@dataclasses.dataclass(frozen=True)
 class AR(Method):
     """Plain autoregressive decoding on one device: prefill and the decode loop, two programs on device."""
 
@@ -123,13 +116,11 @@ class AR(Method):
     streams = True
     baseline = True
 
-    def placed(self, model, opts) -> tuple[dict, dict, Placement | None]:
+    def placed(self, model) -> tuple[dict, dict, Placement | None]:
         """-> (params, per-layer decode copy, placement)."""
-        if "decode_layers" not in model.runtime:
-            model.runtime["decode_layers"] = decoder.decode_layers(model.params["layers"], model.config)
-        return model.params, model.runtime["decode_layers"], None
+        return model.params, decode_layers(model), None
 
-    def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
+    def run(self, model, req: Request) -> tuple[list[int], dict]:
         cfg, sp, stream, P = model.config, req.sp, req.stream, int(req.prompt.size)
         max_new_tokens = req.max_new_tokens
         p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
@@ -142,7 +133,7 @@ class AR(Method):
         statics = dict(cfg=cfg, greedy=sp.greedy, filtered=sp.filtered)
         plen = jnp.int32(P)
         model._require_layers(f"method={self.name!r}")
-        params, layers, placement = self.placed(model, opts)
+        params, layers, placement = self.placed(model)
         head = {k: v for k, v in params.items() if k != "layers"}
 
         pre_args = (params, prompt_arr, plen, rt)
@@ -198,109 +189,109 @@ class AR(Method):
         return tokens, stats
 
 
-@dataclasses.dataclass(frozen=True)
-class TPOptions:
-    n: int = 8  # devices
-
-    def __post_init__(self):
-        if not isinstance(self.n, (int, np.integer)) or self.n < 1:
-            raise ValueError(f"tp needs a positive device count n, got {self.n!r}")
+def decode_layers(model) -> dict:
+    """The model's layers as the decode loops read them (`decoder.decode_layers`), made once per model
+    (`model.placements`' slot "host": kept)."""
+    return model.placements.get("host", "decode_layers",
+                                lambda: decoder.decode_layers(model.params["layers"], model.config))
 
 
 def tp_runtime(model, n: int):
     """Params placed for n-way tensor parallelism (`sharding.TP_RULES`), their per-layer decode copy
     and the placement -> (params, layers, placement). Params loaded with that placement are used as
-    they are; others are resharded once (one tensor-parallel placement kept at a time)."""
-    key = ("tp", n)
-    if key not in model.runtime:
-        for old in [k for k in model.runtime if k[0] == key[0]]:
-            del model.runtime[old]
+    they are; others are resharded once (`model.placements`' slot "tp": one tensor-parallel placement kept at
+    a time)."""
+    def build():
         cfg = model.config
         placement = Placement(model_mesh(n), TP_RULES, tuple(schema.axis_units(cfg).items()))
         shardings = placement.shardings(schema.param_axes(cfg))
         same = all(getattr(a, "sharding", None) == b for a, b in zip(jax.tree.leaves(model.params),
                                                                      jax.tree.leaves(shardings)))
         params = model.params if same else put(model.params, shardings)
-        model.runtime[key] = (params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement)
-    return model.runtime[key]
+        return params, decoder.decode_layers(params["layers"], cfg, fuse_qkv=False), placement
+
+    return model.placements.get("tp", "params", build, placement=n)
 
 
+@dataclasses.dataclass(frozen=True)
 class TP(AR):
     """`ar`, tensor-parallel over n devices (`sharding.TP_RULES`)."""
+
+    n: int = 8  # devices
 
     name = "tp"
     baseline = False
     one_device = False
-    Options = TPOptions
     multi_process = True
 
-    def placed(self, model, opts):
-        return tp_runtime(model, int(opts.n))
+    def __post_init__(self):
+        if not isinstance(self.n, (int, np.integer)) or self.n < 1:
+            raise ValueError(f"tp needs a positive device count n, got {self.n!r}")
 
-    def devices(self, opts) -> int:
-        return opts.n
+    def placed(self, model):
+        return tp_runtime(model, int(self.n))
 
-    def load_placement(self, opts, processes: bool):
-        return model_mesh(opts.n), TP_RULES  # every device reads only its own shard of each weight
+    def devices(self) -> int:
+        return self.n
+
+    def load_placement(self, processes: bool):
+        return model_mesh(self.n), TP_RULES  # every device reads only its own shard of each weight
 
 
 # ---------------------------------------------------------------- pipeline, spd
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineOptions:
+class Pipeline(Method):
+    """n pipeline stages on n devices, one token in flight (`decode.pipelined` with no drafter)."""
+
     n: int = 8  # stages, one device each
     stage_layers: Sequence[int] | None = None  # explicit per-stage layer counts
-    drafter: str | None = None  # the engine drafter by name (`decode.pipelined.DRAFTERS`); None: the method's
+    drafter: str | None = None  # the engine drafter by name (`registry.ENGINE_DRAFTERS`); None: the method's
     spec: Any = None  # the PSM: a `DrafterRef` or its older forms (a path, None: shipped, "random", a pair)
     psm_layers: int = 2  # Ls of a random PSM
     oracle_tokens: Sequence[int] | None = None  # the oracle drafter's reference continuation (tests)
     psm_placement: Any = "auto"  # where the PSM body runs: "auto", "last", "own" or a stage index
     tp: int = 1  # devices per stage, the stage tensor-parallel over them: n * tp devices in all
 
-    def __post_init__(self):
-        if isinstance(self.tp, bool) or not isinstance(self.tp, (int, np.integer)) or self.tp < 1:
-            raise ValueError(f"tp (tensor-parallel devices per stage) must be a positive integer, got {self.tp!r}")
-
-
-class Pipeline(Method):
-    """n pipeline stages on n devices, one token in flight (`decode.pipelined` with no drafter)."""
-
     name = "pipeline"
-    Options = PipelineOptions
     one_device = False
     staged = True
     multi_process = True
-    takes_drafter = True
-    default_drafter: ClassVar[str] = "none"
+    default_drafter: ClassVar[str] = registry.NO_DRAFTER
 
-    def devices(self, opts) -> int:
-        return (opts.n + bool(self.drafter_kind is not None and opts.psm_placement == "own")) * opts.tp
+    def __post_init__(self):
+        _positive("tp", self.tp, "tensor-parallel devices per stage")  # n: the stage plan checks it
+        if self.drafter is not None:
+            registry.engine_drafter(self.drafter)  # refused before anything is loaded
 
-    def load_placement(self, opts, processes: bool):
+    @property
+    def engine_drafter(self) -> str:
+        """The name of the drafter the engine runs (`registry.ENGINE_DRAFTERS`)."""
+        return self.drafter or self.default_drafter
+
+    def devices(self) -> int:
+        return (self.n + bool(self.drafter_kind is not None and self.psm_placement == "own")) * self.tp
+
+    def load_placement(self, processes: bool):
         # in a multi-process job each process reads only its own stages' layers
         if not processes:
             return None
-        stages = self.devices(opts) // opts.tp
-        return (stage_mesh(stages), STAGE_RULES) if opts.tp == 1 else (stage_model_mesh(stages, opts.tp),
+        stages = self.devices() // self.tp
+        return (stage_mesh(stages), STAGE_RULES) if self.tp == 1 else (stage_model_mesh(stages, self.tp),
                                                                         STAGE_TP_RULES)
 
-    def drafter_source(self, model, opts):
+    def drafter_source(self, model):
         if self.drafter_kind is None:
             return None
-        return registry.source(self.drafter_kind, model, self.drafter_ref(opts), plan_for(model, opts.n,
-                                                                                          opts.stage_layers))
+        return registry.source(self.drafter_kind, model, self.drafter_ref(), plan_for(model, self.n, self.stage_layers))
 
-    def drafter_ref(self, opts):
-        return opts.spec
+    def drafter_ref(self):
+        return self.spec
 
-    def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
-        return generate_pipelined(model, req.prompt, int(req.max_new_tokens), req.sp, method=self.name, n=opts.n,
-                                  stage_layers=opts.stage_layers, spec=self.drafter_ref(opts),
-                                  psm_layers=opts.psm_layers,
-                                  drafter=opts.drafter or self.default_drafter, oracle_tokens=opts.oracle_tokens,
-                                  stop_at_eos=req.stop_at_eos, psm_placement=opts.psm_placement,
-                                  compiled=self.compiled, tp=int(opts.tp))
+    def run(self, model, req: Request) -> tuple[list[int], dict]:
+        return generate_pipelined(model, req.prompt, int(req.max_new_tokens), req.sp, self, stop_at_eos=req.stop_at_eos,
+                                  compiled=self.compiled)
 
     def steps(self, stats: dict) -> int:
         return stats["cycles"]
@@ -310,37 +301,35 @@ class Pipeline(Method):
                 f"accepted {stats['accepted']}, rejected {stats['rejected']}, PSM {stats['psm']}")
 
 
+@dataclasses.dataclass(frozen=True)
 class SPD(Pipeline):
     """Speculative pipeline decoding: the pipeline with the PSM drafting one token per cycle."""
 
     name = "spd"
-    default_drafter = "psm"
+    default_drafter = registry.PSM.name
     drafter_kind = registry.PSM
     label_key = "psm"
     random_drafter_on_request = True
 
 
 @dataclasses.dataclass(frozen=True)
-class PPSDOptions(PipelineOptions):
-    drafter_spec: Any = None  # the early-exit head: a `DrafterRef` or its older forms (a path, None: shipped, "random")
-
-
 class PPSD(Pipeline):
     """Pipeline-parallel self-speculative decoding (PPSD, `drafters.ppsd`): the pipeline with an early-exit head
     drafting one token per cycle after stage 0's step, from the newest token's state there."""
 
+    drafter_spec: Any = None  # the early-exit head: a `DrafterRef` or its older forms (a path, None: shipped, "random")
+
     name = "ppsd"
-    Options = PPSDOptions
-    default_drafter = "ppsd"
+    default_drafter = registry.PPSD.name
     drafter_kind = registry.PPSD
     label_key = "ppsd"
     random_drafter_on_request = True
 
-    def devices(self, opts) -> int:
-        return opts.n * opts.tp  # the head runs on stage 0's devices
+    def devices(self) -> int:
+        return self.n * self.tp  # the head runs on stage 0's devices
 
-    def drafter_ref(self, opts):
-        return opts.drafter_spec
+    def drafter_ref(self):
+        return self.drafter_spec
 
     def summary(self, stats: dict) -> str:
         return (f"n={stats['n']} stages {stats['stage_layers']}, alpha {stats['alpha']:.3f}, S0 {stats['S0']:.2f}, "
@@ -351,37 +340,33 @@ class PPSD(Pipeline):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Options:
+class EAGLE3(Method):
+    """Chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter: k drafts
+    per round, one target pass over k + 1 positions."""
+
     k: int = 3  # drafts per round: the chain length
     drafter_spec: Any = None  # the drafter: a `DrafterRef` or its older forms (a path, None: shipped, "random", a pair)
+
+    name = "eagle3"
+    chain = True
+    drafter_kind = registry.EAGLE3
+    label_key = "drafter_spec"
 
     def __post_init__(self):
         if not isinstance(self.k, (int, np.integer)) or self.k < 1:
             raise ValueError(f"eagle3 needs a positive chain length k, got {self.k!r}")
 
+    def drafter_source(self, model):
+        return registry.source(self.drafter_kind, model, self.drafter_spec)
 
-class Eagle3(Method):
-    """Chain speculative decoding on one device (`decode.chain`) with the EAGLE-3-style drafter: k drafts
-    per round, one target pass over k + 1 positions."""
+    def drafter_ref(self):
+        return self.drafter_spec
 
-    name = "eagle3"
-    Options = Eagle3Options
-    chain = True
-    drafter_hint = " (its drafter checkpoint is drafter_spec)"
-    drafter_kind = registry.EAGLE3
-    label_key = "drafter_spec"
-
-    def drafter_source(self, model, opts):
-        return registry.source(self.drafter_kind, model, opts.drafter_spec)
-
-    def drafter_ref(self, opts):
-        return opts.drafter_spec
-
-    def run(self, model, req: Request, opts) -> tuple[list[int], dict]:
+    def run(self, model, req: Request) -> tuple[list[int], dict]:
         model._require_layers(f"method={self.name!r}")
-        spec, variables, label = registry.resolve(self.drafter_kind, model, opts.drafter_spec, method=self.name)
+        spec, variables, label = registry.resolve(self.drafter_kind, model, self.drafter_spec, method=self.name)
         tokens, stats = generate_chain(model, req.prompt, int(req.max_new_tokens),
-                                       Eagle3Drafter(model.config, spec, int(opts.k)),
+                                       Eagle3Drafter(model.config, spec, int(self.k)),
                                        drafter_params(variables, model.params), req.sp, req.stop_at_eos,
                                        compiled=self.compiled)
         eos = set(model.eos_token_ids) if req.stop_at_eos else set()
@@ -397,14 +382,17 @@ class Eagle3(Method):
                 f"{stats['accepted']}, rejected {stats['rejected']}, drafter {stats['drafter_spec']}")
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (AR(), TP(), Pipeline(), SPD(), PPSD(), Eagle3())}
+METHODS: dict[str, Method] = {m.name: m for m in (AR(), TP(), Pipeline(), SPD(), PPSD(), EAGLE3())}  # defaults
 
 
-def get(name: str) -> Method:
-    """The method of a name, or a ValueError listing them."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}: available: {', '.join(METHODS)}")
-    return METHODS[name]
+def get(method: "str | Method") -> Method:
+    """A method as `api.generate` takes it: a `Method` (options given) as it is, or a name in `METHODS` (that
+    method's defaults); else a ValueError listing them."""
+    if isinstance(method, Method):
+        return method
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: available: {', '.join(METHODS)}")
+    return METHODS[method]
 
 
 def of_drafter(k: DrafterKind) -> Method:

@@ -12,6 +12,8 @@ import sys
 from collections import Counter
 
 import jax
+from spd_jax.decode.sampling import Sampling
+from spd_jax import methods
 
 
 def main(argv: list[str]) -> None:
@@ -25,8 +27,9 @@ def main(argv: list[str]) -> None:
     ids = [int(t) for t in prompt.split(",")]
     counts = Counter()
     for seed in range(runs):
-        pair = spd_jax.generate(model, ids, 2, seed=seed, stop_at_eos=False, method=method, n=n, temperature=1.0,
-                                top_k=4, spec="random", drafter_spec="random", psm_layers=1).token_ids
+        pair = spd_jax.generate(model, ids, 2, sampling=Sampling(temperature=1.0, top_k=4, seed=seed),
+                                method=methods.get(method).taking(n=n, spec="random", drafter_spec="random", psm_layers=1),
+                                stop_at_eos=False).token_ids
         counts[",".join(map(str, pair))] += 1
     print(json.dumps(counts))
 

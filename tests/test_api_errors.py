@@ -8,12 +8,13 @@ import pytest
 
 import spd_jax
 from spd_jax.decode import pipelined
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.decode.spd import EngineConfig
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
 from spd_jax.drafters.ppsd import PPSDConfig, PPSDDrafter
 from spd_jax.drafters.psm import PSMConfig, PSMDrafter, init_psm
 from spd_jax.pipeline.stages import StageLayout
+from spd_jax import methods
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +28,24 @@ def model(tiny_ckpt):  # 4 layers, vocabulary 160, max_position_embeddings 512
 def test_unknown_drafter_is_refused(model, method):
     unknown = r"unknown drafter 'eagle3' .*one of psm, ppsd, none, oracle.*method=\"eagle3\""
     with pytest.raises(ValueError, match=unknown):
-        spd_jax.generate(model, [1, 2], 4, method=method, n=2, drafter="eagle3")
+        spd_jax.generate(model, [1, 2], 4, method=methods.get(method).taking(n=2, drafter="eagle3"))
     with pytest.raises(ValueError, match="unknown drafter 'PSM'"):
-        pipelined.generate_pipelined(model, np.array([1, 2]), 4, SamplingParams(), method=method, n=2,
-                                     drafter="PSM")
+        methods.get(method).taking(n=2, drafter="PSM")  # refused when the options are made, before any loading
 
 
-def test_drafter_of_another_method_is_refused(model):
-    with pytest.raises(ValueError, match="drafter='oracle' is for method 'pipeline' or 'spd' or 'ppsd'; method 'ar'"):
-        spd_jax.generate(model, [1, 2], 4, drafter="oracle")
-    with pytest.raises(ValueError, match="its drafter checkpoint is drafter_spec"):
-        spd_jax.generate(model, [1, 2], 4, method="eagle3", drafter="random")
+def test_an_option_of_another_method_is_refused():
+    """A method's options are its fields: one it does not take is refused when the method is made."""
+    with pytest.raises(TypeError, match="drafter"):
+        methods.AR(drafter="oracle")
+    with pytest.raises(TypeError, match="drafter"):
+        methods.EAGLE3(drafter="random")  # its drafter checkpoint is drafter_spec
+    with pytest.raises(TypeError, match="tp"):
+        methods.AR(tp=2)  # tensor-parallel stages are for the pipelined methods
 
 
 def test_stage_counts_must_match_n(model):
     with pytest.raises(ValueError, match=r"2 stage layer counts \[1, 3\] for n=4 stages: .*set n to 2 \(--n 2"):
-        spd_jax.generate(model, [1, 2], 4, method="pipeline", n=4, stage_layers=[1, 3])
+        spd_jax.generate(model, [1, 2], 4, method=methods.Pipeline(n=4, stage_layers=[1, 3]))
 
 
 def test_engine_config_checks_its_drafter(model):
@@ -97,7 +100,7 @@ def test_float32_psm_runs_on_a_bfloat16_model(tiny_ckpt):
     plan = pipelined.plan_for(bf16, 2)
     cfg = PSMConfig.for_target(bf16.config, plan.counts, num_layers=1)
     spec = (cfg, init_psm(bf16.config, cfg, bf16.params, 0, jnp.float32))
-    res = spd_jax.generate(bf16, [1, 17, 42, 99], 8, method="spd", n=2, spec=spec, stop_at_eos=False)
+    res = spd_jax.generate(bf16, [1, 17, 42, 99], 8, method=methods.SPD(n=2, spec=spec), stop_at_eos=False)
     assert res.token_ids == spd_jax.generate(bf16, [1, 17, 42, 99], 8, stop_at_eos=False).token_ids
 
 
@@ -106,29 +109,29 @@ def test_float32_psm_runs_on_a_bfloat16_model(tiny_ckpt):
 def test_max_len_above_the_model_limit_is_refused(model):
     for method in ("ar", "spd"):
         with pytest.raises(ValueError, match=r"max_len 1024 exceeds the model's max_position_embeddings \(512\)"):
-            spd_jax.generate(model, [1, 2], 4, max_len=1024, method=method, n=2)
+            spd_jax.generate(model, [1, 2], 4, method=methods.get(method).taking(n=2), max_len=1024)
 
 
 @pytest.mark.parametrize("method", ["ar", "pipeline", "spd"])
 def test_prompt_plus_new_tokens_may_fill_the_limit(model, method):
     """P + max_new_tokens == limit is allowed for every method; one more is refused, the message's sum
-    being the one checked. (The bad drafter stops the pipelined methods right after the check, before
+    being the one checked. (An oracle drafter without its tokens stops the pipelined methods right after the check, before
     anything compiles; "ar" is only asked for the refusal.)"""
     with pytest.raises(ValueError, match=r"= 65 exceeds the cache limit of 64"):
-        spd_jax.generate(model, [1] * 60, 5, max_len=64, method=method, n=2)
+        spd_jax.generate(model, [1] * 60, 5, method=methods.get(method).taking(n=2), max_len=64)
     if method != "ar":
-        with pytest.raises(ValueError, match="unknown drafter"):
-            spd_jax.generate(model, [1] * 60, 4, max_len=64, method=method, n=2, drafter="bogus")
+        with pytest.raises(ValueError, match="the oracle drafter needs oracle_tokens"):
+            spd_jax.generate(model, [1] * 60, 4, method=methods.get(method).taking(n=2, drafter="oracle"), max_len=64)
 
 
 # ---- 4. sampling parameters
 
 def test_numpy_scalars_are_sampling_parameters():
-    sp = SamplingParams(np.float32(0.7), np.int64(50), np.float64(0.9), np.uint32(7))
+    sp = Sampling(np.float32(0.7), np.int64(50), np.float64(0.9), np.uint32(7))
     assert (sp.temperature, sp.top_k, sp.top_p, sp.seed) == (pytest.approx(0.7), 50, pytest.approx(0.9), 7)
     assert type(sp.temperature) is float and type(sp.top_k) is int and type(sp.seed) is int
     assert (sp.top_k - 1).bit_length() == 6  # what the SPD engine's top-k bucket computes
-    SamplingParams(seed=2**32 - 1)
+    Sampling(seed=2**32 - 1)
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -144,9 +147,9 @@ def test_numpy_scalars_are_sampling_parameters():
 ])
 def test_bad_sampling_parameters(model, kw, msg):
     with pytest.raises(ValueError, match=msg):
-        SamplingParams(**kw)
-    with pytest.raises(ValueError, match=msg):
-        spd_jax.generate(model, [1, 2], 4, **kw)
+        Sampling(**kw)
+    with pytest.raises(TypeError, match="sampling must be a Sampling"):
+        spd_jax.generate(model, [1, 2], 4, sampling=kw)
 
 
 # ---- 5. text where token ids belong

@@ -17,10 +17,11 @@ from scipy import stats as sstats
 
 import spd_jax
 from spd_jax.decode import chain, vocab
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.drafters import eagle3
 from spd_jax.drafters.base import NoDrafter, OracleDrafter, features, split_params
 from spd_jax.models import decoder
+from spd_jax import methods
 
 from tolerances import CACHED_VS_FULL, assert_close
 
@@ -81,14 +82,14 @@ def test_generate_api_eagle3(tiny):
     """spd_jax.generate(method="eagle3"): greedy tokens equal `ar`'s; without a drafter checkpoint (none
     ships for a tiny model) a random drafter; the stats a chain round reports."""
     model, ref = tiny
-    res = spd_jax.generate(model, PROMPT, N, method="eagle3", k=3, stop_at_eos=False)
+    res = spd_jax.generate(model, PROMPT, N, method=methods.EAGLE3(k=3), stop_at_eos=False)
     s = res.stats
     assert res.token_ids == ref and s["method"] == "eagle3" and s["drafter_spec"] == "random" and s["k"] == 3
     assert s["tokens"] == N and s["tokens_per_round"] == N / s["rounds"] and s["devices"] == 1
     assert s["accepted"] >= 0 and s["rejected"] <= s["rounds"] and s["tokens_per_s"] > 0 and s["compile_s"] >= 0
     assert "excludes compilation" in s["timing_includes"] and s["wall_s"] > 0
     with pytest.raises(ValueError, match="positive chain length k"):
-        spd_jax.generate(model, PROMPT, N, method="eagle3", k=0)
+        spd_jax.generate(model, PROMPT, N, method=methods.EAGLE3(k=0))
     with pytest.raises(ValueError, match="streaming"):
         spd_jax.generate(model, PROMPT, N, method="eagle3", stream=print)
 
@@ -97,9 +98,9 @@ def test_no_drafter_is_autoregressive_sampling(tiny_ckpt):
     """k = 0: every round commits the target's own draw with the position's key, which is `ar`'s draw."""
     model = spd_jax.load_model(tiny_ckpt("llama", False, **_MODELS["llama"])[0])
     kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
-    ref = spd_jax.generate(model, PROMPT, N, stop_at_eos=False, **kw).token_ids
+    ref = spd_jax.generate(model, PROMPT, N, sampling=Sampling(**kw), stop_at_eos=False).token_ids
     toks, s = chain.generate_chain(model, PROMPT, N, NoDrafter(model.config.vocab_size), None,
-                                   SamplingParams(**kw), stop_at_eos=False)
+                                   Sampling(**kw), stop_at_eos=False)
     assert toks == ref and s["rounds"] == N - 1
 
 
@@ -119,7 +120,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch):
     variables = eagle3.init_eagle3(cfg, spec, model.params, seed=1)
     variables["params"]["fc"]["kernel"] = jnp.zeros((3 * H, H)).at[2 * H:].set(jnp.eye(H))
     drafter, dp = eagle3.Eagle3Drafter(cfg, spec, k), eagle3.drafter_params(variables, model.params)
-    sp = SamplingParams(1.0, top_k).runtime()
+    sp = Sampling(1.0, top_k).runtime()
     P = len(SAMPLING_PROMPT)
     cc = chain.ChainConfig(cfg, greedy=False, filtered=True, prompt_pad=P, cache_len=P + 3 + k + 1)
 
@@ -337,4 +338,4 @@ def test_an_eagle3_drafter_for_other_weights_of_the_same_shape_is_refused(tiny_c
            rf"{re.escape(str(b.path))} {b.weights_fingerprint} .*train an EAGLE-3 drafter for "
            rf"{re.escape(str(b.path))} .* or use one trained for it")
     with pytest.raises(eagle3.Eagle3CheckpointError, match=msg):
-        spd_jax.generate(b, PROMPT, 4, method="eagle3", drafter_spec=str(tmp_path / "d"))
+        spd_jax.generate(b, PROMPT, 4, method=methods.EAGLE3(drafter_spec=str(tmp_path / "d")))

@@ -69,14 +69,21 @@ def test_methods_are_objects_with_their_own_caches():
     spd, ppsd = methods.get("spd"), methods.get("ppsd")
     assert spd.drafter_kind is registry.PSM and methods.get("eagle3").drafter_kind is registry.EAGLE3
     assert ppsd.drafter_kind is registry.PPSD and methods.of_drafter(registry.PPSD) is ppsd
-    assert spd.devices(spd.options(n=4, psm_placement="own")) == 5
-    assert ppsd.devices(ppsd.options(n=4)) == 4  # its head runs on stage 0's device
-    assert methods.get("pipeline").devices(methods.get("pipeline").options(n=4, psm_placement="own")) == 4
-    assert methods.get("ar").devices(methods.get("ar").options(n=4)) == 1
+    assert methods.SPD(n=4, psm_placement="own").devices() == 5
+    assert methods.PPSD(n=4).devices() == 4  # its head runs on stage 0's device
+    assert methods.Pipeline(n=4, psm_placement="own").devices() == 4
+    assert methods.AR.taking(n=4).devices() == 1 and methods.AR.taking(n=4) == methods.AR()
+    # the options are the method: a name is its defaults, an object goes as it is, each class one cache
+    assert methods.get("spd") == methods.SPD() and methods.get(spd) is spd
+    assert methods.SPD(n=4).compiled is spd.compiled is methods.SPD.compiled
     with pytest.raises(ValueError, match="unknown method 'x': available: ar, tp, pipeline, spd, ppsd, eagle3"):
         methods.get("x")
     with pytest.raises(ValueError, match="eagle3 needs a positive chain length k"):
-        methods.get("eagle3").options(k=0)
+        methods.EAGLE3(k=0)
+    with pytest.raises(ValueError, match="unknown drafter 'bogus' for the pipelined methods"):
+        methods.SPD(drafter="bogus")
+    with pytest.raises(TypeError):
+        methods.AR(n=2)  # an option the method does not take
 
 
 def test_what_callers_ask_of_a_method_instead_of_its_name():
@@ -84,8 +91,8 @@ def test_what_callers_ask_of_a_method_instead_of_its_name():
     assert [m.name for m in methods.METHODS.values() if m.baseline] == ["ar"]
     assert (spd.label_key, e3.label_key, ar.label_key, methods.get("ppsd").label_key) == (
         "psm", "drafter_spec", None, "ppsd")
-    assert (spd.drafter_ref(spd.options(spec="a", drafter_spec="b")),
-            methods.get("ppsd").drafter_ref(methods.get("ppsd").options(spec="a", drafter_spec="b"))) == ("a", "b")
+    assert (methods.SPD.taking(spec="a", drafter_spec="b").drafter_ref(),
+            methods.PPSD(spec="a", drafter_spec="b").drafter_ref()) == ("a", "b")
     assert (ar.steps(dict(tokens=5)), spd.steps(dict(cycles=7)), e3.steps(dict(rounds=2))) == (5, 7, 2)
     assert [m.name for m in methods.METHODS.values() if not m.multi_process] == ["ar", "eagle3"]
     assert not registry.is_checkpoint("random") and not registry.is_checkpoint("given")

@@ -42,6 +42,7 @@ from spd_jax.convert import eagle3 as conv
 from spd_jax.drafters import eagle3, store
 from spd_jax.drafters.base import features, teacher_forward
 from spd_jax.models.layers import rms_norm
+from spd_jax import methods
 
 from tolerances import VS_TRANSFORMERS, assert_close, bound
 
@@ -257,7 +258,8 @@ def test_eagle3_decoding_with_it_equals_ar(llama):
     case = llama
     model, prompt = case["model"], case["tokens"][:P]
     ref = spd_jax.generate(model, prompt, 16, stop_at_eos=False).token_ids
-    res = spd_jax.generate(model, prompt, 16, method="eagle3", k=3, drafter_spec=str(case["out"]), stop_at_eos=False)
+    res = spd_jax.generate(model, prompt, 16, method=methods.EAGLE3(k=3, drafter_spec=str(case["out"])),
+                           stop_at_eos=False)
     assert res.token_ids == ref and res.stats["drafter_spec"] == str(case["out"])
 
 
@@ -458,7 +460,7 @@ def test_the_cli_and_a_raw_standard_directory_given_as_a_drafter(llama, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     with pytest.raises(FileNotFoundError, match="python -m spd_jax.convert.eagle3 DIR OUT --model MODEL"):
-        spd_jax.generate(model, case["tokens"][:P], 4, method="eagle3", drafter_spec=str(src))
+        spd_jax.generate(model, case["tokens"][:P], 4, method=methods.EAGLE3(drafter_spec=str(src)))
 
 
 def test_bfloat16_weights_are_written_exactly(llama, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import spd_jax
-from spd_jax import CheckpointError, ConfigError
+from spd_jax import CheckpointError, ConfigError, Sampling
 
 from conftest import edited_checkpoint
 
@@ -98,8 +98,9 @@ def test_empty_prompt(model):
 ])
 def test_invalid_generation_arguments(model, kw, msg):
     kw = dict(dict(max_new_tokens=4), **kw)
-    with pytest.raises(ValueError, match=msg):
-        spd_jax.generate(model, [1, 2], **kw)
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p", "seed") if k in kw}
+    with pytest.raises(ValueError, match=msg):  # the sampling rule's values are checked once, by Sampling
+        spd_jax.generate(model, [1, 2], sampling=Sampling(**sampling), **kw)
 
 
 def test_token_ids_out_of_vocab(model):

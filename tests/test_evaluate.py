@@ -72,7 +72,7 @@ def test_harness_runs_every_method_and_resumes(tiny, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="a row to do"):
         evaluate.evaluate(tiny, prompts, ["eagle3"], [2], [0.0], 8, out, spec="random", progress=False, ks=(3,),
                           drafter=str(tmp_path / "other"))
-    assert calls[0]["k"] == 3 and calls[0]["drafter_spec"] == str(tmp_path / "other")
+    assert calls[0]["method"].k == 3 and calls[0]["method"].drafter_spec == str(tmp_path / "other")
 
 
 def _fake_drafter(directory, meta_name, version: int):
@@ -94,9 +94,10 @@ def test_a_changed_drafter_at_the_same_path_is_computed_again(tiny, tmp_path, mo
     fake = dict(tokens=4, cycles=2, rounds=2, prompt_tokens=2, wall_s=1.0, tokens_per_s=4.0, compile_s=0.0,
                 compile_from="x", timing_includes="x", backend="cpu")
 
-    def generate(model, ids, max_new, method, n, **kw):
-        calls.append(method)
-        stats = dict(fake, drafter_spec=kw.get("drafter_spec"), psm=str(kw["spec"]) if method == "spd" else None)
+    def generate(model, ids, max_new, *, method, **kw):  # method: the row's options object
+        calls.append(method.name)
+        stats = dict(fake, drafter_spec=getattr(method, "drafter_spec", None),
+                     psm=str(method.spec) if method.name == "spd" else None)
         return SimpleNamespace(stats=stats, token_ids=[3])
 
     monkeypatch.setattr(spd_jax, "generate", generate)
@@ -142,8 +143,8 @@ def test_a_method_may_carry_its_own_depths(tiny, tmp_path, monkeypatch):
     done = []  # the jobs in order, from a fake generate that records them
     fake = dict(tokens=1, cycles=1, prompt_tokens=2, wall_s=1.0, tokens_per_s=1.0, compile_s=0.0, compile_from="x",
                 timing_includes="x", backend="cpu", drafter_spec=None)
-    monkeypatch.setattr(spd_jax, "generate", lambda model, ids, max_new, method, n, **kw: (
-        done.append((method, n)) or type("R", (), dict(stats=fake, token_ids=[3]))()))
+    monkeypatch.setattr(spd_jax, "generate", lambda model, ids, max_new, *, method, **kw: (
+        done.append((method.name, getattr(method, "n", 1))) or type("R", (), dict(stats=fake, token_ids=[3]))()))
     evaluate.evaluate(tiny, {"b": [{"ids": [1, 2]}]}, ["ar", "pipeline", "spd"], [2, 4], [0.0], 4, tmp_path / "x",
                       progress=False, write=False, method_ns={"spd": [4]})
     assert done == [("ar", 1), ("pipeline", 2), ("pipeline", 4), ("spd", 4)]

@@ -14,6 +14,7 @@ import spd_jax
 from spd_jax import api, methods
 from spd_jax.decode.sampling import choose, warp_logits
 from spd_jax.models import decoder
+from spd_jax.decode.sampling import Sampling
 
 from conftest import cache_free_greedy
 from tolerances import BF16_VS_FP32, CACHED_VS_FULL, ELEMENTWISE, assert_close
@@ -57,13 +58,13 @@ def test_shape_buckets_do_not_recompile(tiny):
     model, _ = tiny
     spd_jax.generate(model, [1, 2, 3, 4, 5], max_new_tokens=10)
     n = methods.METHODS["ar"].compiled.compiles
-    spd_jax.generate(model, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=20, temperature=0.0)
+    spd_jax.generate(model, [1, 2, 3, 4, 5, 6, 7, 8, 9], sampling=Sampling(temperature=0.0), max_new_tokens=20)
     spd_jax.generate(model, [9, 8], max_new_tokens=33)
     assert methods.METHODS["ar"].compiled.compiles == n
     # Sampling values are data, not compile-time constants.
-    spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=0.7, seed=1)
+    spd_jax.generate(model, [1, 2], sampling=Sampling(temperature=0.7, seed=1), max_new_tokens=10)
     n = methods.METHODS["ar"].compiled.compiles
-    spd_jax.generate(model, [1, 2], max_new_tokens=10, temperature=1.3, seed=5)
+    spd_jax.generate(model, [1, 2], sampling=Sampling(temperature=1.3, seed=5), max_new_tokens=10)
     assert methods.METHODS["ar"].compiled.compiles == n
 
 
@@ -80,7 +81,7 @@ def test_batch_generation_matches_one_sequence_at_a_time(tiny):
     model, _ = tiny
     prompts = [[3, 4, 5], [1, 17, 42, 99, 5, 63, 8, 2, 11], list(range(20, 40))]
     sampled = spd_jax.generate_batch(model, prompts, max_len=48, temperature=1.0, seed=5, stop_at_eos=False)
-    assert sampled == [spd_jax.generate(model, p, 48 - len(p), temperature=1.0, seed=5 + b,
+    assert sampled == [spd_jax.generate(model, p, 48 - len(p), sampling=Sampling(temperature=1.0, seed=5 + b),
                                         stop_at_eos=False).token_ids for b, p in enumerate(prompts)]
     eos = spd_jax.generate(model, prompts[1], 8, stop_at_eos=False).token_ids[4]  # row 1 stops there, others may
     stopper = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,)))
@@ -97,9 +98,9 @@ def test_batch_generation_matches_one_sequence_at_a_time(tiny):
 
 def test_sampling_is_seeded(tiny):
     model, _ = tiny
-    a = spd_jax.generate(model, [1, 2, 3], 30, temperature=1.0, seed=11, stop_at_eos=False).token_ids
-    b = spd_jax.generate(model, [1, 2, 3], 30, temperature=1.0, seed=11, stop_at_eos=False).token_ids
-    c = spd_jax.generate(model, [1, 2, 3], 30, temperature=1.0, seed=12, stop_at_eos=False).token_ids
+    a = spd_jax.generate(model, [1, 2, 3], 30, sampling=Sampling(temperature=1.0, seed=11), stop_at_eos=False).token_ids
+    b = spd_jax.generate(model, [1, 2, 3], 30, sampling=Sampling(temperature=1.0, seed=11), stop_at_eos=False).token_ids
+    c = spd_jax.generate(model, [1, 2, 3], 30, sampling=Sampling(temperature=1.0, seed=12), stop_at_eos=False).token_ids
     assert a == b and a != c
 
 

@@ -10,6 +10,7 @@ import spd_jax
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.convert.random import write_random_checkpoint
 from spd_jax.decode import pipelined
+from spd_jax import methods
 from spd_jax.methods import tp_runtime
 from spd_jax.costs import memory
 from spd_jax.pipeline import stages
@@ -34,7 +35,7 @@ def test_spd_bytes_per_device_equal_the_placed_arrays(ckpt, n, placement):
     mesh_n = n + (placement == "own")
     model = spd_jax.load_model(ckpt, dtype="bfloat16", mesh=stage_mesh(mesh_n), rules=STAGE_RULES)
     plan = pipelined.plan_for(model, n)
-    draft = pipelined.DRAFTERS["psm"](model, plan, "random", 2, None)
+    draft = pipelined.engine_draft(model, plan, methods.SPD(n=plan.n, spec="random"))
     psm_device = pipelined.psm_device_for(model, plan, draft.spec, placement)
     layout = stages.StageLayout.of(model.config, plan, draft.drafter.anchors, devices=plan.n + (psm_device == plan.n))
     cache_len = pipelined.engine_cache_len(40, 16, n)

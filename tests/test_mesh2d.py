@@ -9,6 +9,8 @@ import pytest
 
 import spd_jax
 from spd_jax import methods
+from spd_jax.decode import pipelined
+from spd_jax.decode.sampling import Sampling
 from spd_jax.sharding import MODEL, STAGE
 from two_tokens import TwoTokens
 
@@ -47,7 +49,8 @@ _CASES = [("llama", "spd", 4, 2), ("qwen3_5", "pipeline", 4, 2)] + [
 @pytest.mark.parametrize("model_type,method,n,tp", _CASES)
 def test_greedy_equals_autoregressive_on_a_stage_model_mesh(deep, model_type, method, n, tp):
     model, reference = deep(model_type)
-    res = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False, method=method, n=n, tp=tp, psm_layers=1)
+    res = spd_jax.generate(model, PROMPT, 24, method=methods.get(method).taking(n=n, tp=tp, psm_layers=1),
+                           stop_at_eos=False)
     assert res.token_ids == reference
     s = res.stats
     assert s["devices"] == n * tp and s["tp"] == tp and s["n"] == n and s["tokens"] == 24
@@ -56,7 +59,8 @@ def test_greedy_equals_autoregressive_on_a_stage_model_mesh(deep, model_type, me
     else:
         assert s["cycles"] == 23 * n
     # the stage weights are split over both axes: layers by stage, heads / MLP columns by model
-    placed = next(v for k, v in model.runtime.items() if k[0] == "stage_weights" and k[2] == tp)[0]
+    assert model.placements.placement(pipelined.STAGE_SLOT)[1] == tp
+    placed = model.placements.entries(pipelined.STAGE_SLOT)["weights"][0]
     specs = [w.sharding.spec for per in placed.values() for leaves in per for w in leaves.values()]
     assert all(sp[0] == STAGE for sp in specs) and any(MODEL in sp for sp in specs)
     # the program's collective-permutes are the pipeline's hand-overs between stages (prefill, decode) alone:
@@ -73,7 +77,8 @@ def test_greedy_equals_autoregressive_on_a_stage_model_mesh(deep, model_type, me
 def test_eight_stages_of_one_device(deep, model_type, method):
     """(8, 1): tp = 1 given explicitly is the one-axis engine."""
     model, reference = deep(model_type)
-    res = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False, method=method, n=8, tp=1, psm_layers=1)
+    res = spd_jax.generate(model, PROMPT, 24, method=methods.get(method).taking(n=8, tp=1, psm_layers=1),
+                           stop_at_eos=False)
     assert res.token_ids == reference and res.stats["devices"] == 8
 
 
@@ -81,14 +86,14 @@ def test_bad_tp(deep):
     model, _ = deep("llama")
     # 4 query / 2 key-value heads, MLP width 112: tp = 3 splits nothing
     with pytest.raises(ValueError, match=r"tp=3 divides none of the model's head counts \(4 query, 2 key/value"):
-        spd_jax.generate(model, PROMPT, 4, method="spd", n=2, tp=3, psm_layers=1)
+        spd_jax.generate(model, PROMPT, 4, method=methods.SPD(n=2, tp=3, psm_layers=1))
     with pytest.raises(ValueError, match="need 16 devices, but JAX sees 8"):
-        spd_jax.generate(model, PROMPT, 4, method="pipeline", n=8, tp=2)
+        spd_jax.generate(model, PROMPT, 4, method=methods.Pipeline(n=8, tp=2))
     with pytest.raises(ValueError, match="positive integer"):
-        spd_jax.generate(model, PROMPT, 4, method="pipeline", n=2, tp=0)
-    for method in ("ar", "tp"):
-        with pytest.raises(ValueError, match=f"tp=2 .* method '{method}' takes none"):
-            spd_jax.generate(model, PROMPT, 4, method=method, n=2, tp=2)
+        spd_jax.generate(model, PROMPT, 4, method=methods.Pipeline(n=2, tp=0))
+    for method in (methods.AR, methods.TP):  # tensor-parallel stages are an option of the pipelined methods only
+        with pytest.raises(TypeError, match="tp"):
+            method(tp=2)
 
 
 SAMPLING_PROMPT = [5, 9, 11]
@@ -103,14 +108,15 @@ def test_sampling_matches_the_target_distribution_on_a_stage_model_mesh(tiny_ckp
     from spd_jax.decode.compile_cache import CompileCache
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=2)[0])
-    kw = dict(temperature=1.0, top_k=4, method="spd", n=2, tp=2, psm_layers=1)
+    spd = methods.SPD(n=2, tp=2, psm_layers=1)
 
     target = TwoTokens(model, SAMPLING_PROMPT)
 
     def pvalue(runs):
         counts = {}
         for i in range(runs):
-            pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, seed=i, stop_at_eos=False, **kw).token_ids)
+            pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, sampling=Sampling(temperature=1.0, top_k=4, seed=i),
+                                          method=spd, stop_at_eos=False).token_ids)
             counts[pair] = counts.get(pair, 0) + 1
         return target.pvalue(counts)
 
@@ -118,7 +124,7 @@ def test_sampling_matches_the_target_distribution_on_a_stage_model_mesh(tiny_ckp
     print(f"correct rule: p={p_ok:.3g}")
     assert outside == 0 and p_ok > 1e-3
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
-    monkeypatch.setattr(methods.METHODS["spd"], "compiled", CompileCache())
+    monkeypatch.setattr(methods.SPD, "compiled", CompileCache())
     outside, p_bad = pvalue(200)  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 import spd_jax
+from spd_jax.decode.sampling import Sampling
+from spd_jax import methods
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,9 +50,10 @@ def test_two_processes_equal_one(kind, mode, sampling, tiny_ckpt):
                      "--no-eos", "--max-new-tokens", "24", "--prompt-ids", ",".join(map(str, PROMPT)), *sampling])
     model = spd_jax.load_model(ckpt)
     flags = dict(zip(sampling[::2], sampling[1::2]))
-    ref = spd_jax.generate(model, PROMPT, 24, method=mode, n=2, spec="random", stop_at_eos=False,
-                           temperature=float(flags.get("--temperature", 0)), seed=int(flags.get("--seed", 0)),
-                           top_k=int(flags["--top-k"]) if "--top-k" in flags else None)
+    sp = Sampling(temperature=float(flags.get("--temperature", 0)),
+                  top_k=int(flags["--top-k"]) if "--top-k" in flags else None, seed=int(flags.get("--seed", 0)))
+    ref = spd_jax.generate(model, PROMPT, 24, sampling=sp, method=methods.get(mode).taking(n=2, spec="random"),
+                           stop_at_eos=False)
     assert row["token_ids"] == ref.token_ids
     assert row["stats"]["cycles"] == ref.stats["cycles"] and row["stats"]["devices"] == 2
     if mode == "spd":  # drafts were both accepted and rejected: the rollback crossed processes too
@@ -64,7 +67,7 @@ def test_four_processes_and_tensor_parallel(tiny_ckpt):
     common = ["--model", str(ckpt), "--random-psm", "--no-eos", "--max-new-tokens", "16",
               "--prompt-ids", ",".join(map(str, PROMPT))]
     row = _generate([*common, "--n", "4", "--processes", "4"])
-    assert row["token_ids"] == spd_jax.generate(model, PROMPT, 16, method="spd", n=4, spec="random",
+    assert row["token_ids"] == spd_jax.generate(model, PROMPT, 16, method=methods.SPD(n=4, spec="random"),
                                                 stop_at_eos=False).token_ids
     row = _generate([*common, "--mode", "tp", "--n", "2", "--processes", "2"])
     assert row["token_ids"] == spd_jax.generate(model, PROMPT, 16, method="ar", stop_at_eos=False).token_ids
@@ -79,7 +82,7 @@ def test_tensor_parallel_stages_over_two_processes(kind, tiny_ckpt):
     row = _generate(["--model", str(ckpt), "--n", "2", "--tp", "2", "--processes", "2", "--random-psm", "--no-eos",
                      "--max-new-tokens", "16", "--prompt-ids", ",".join(map(str, PROMPT))])
     model = spd_jax.load_model(ckpt)
-    ref = spd_jax.generate(model, PROMPT, 16, method="spd", n=2, tp=2, spec="random", stop_at_eos=False)
+    ref = spd_jax.generate(model, PROMPT, 16, method=methods.SPD(n=2, tp=2, spec="random"), stop_at_eos=False)
     assert row["token_ids"] == ref.token_ids == spd_jax.generate(model, PROMPT, 16, method="ar",
                                                                  stop_at_eos=False).token_ids
     assert row["stats"]["devices"] == 4 and row["stats"]["tp"] == 2 and row["stats"]["processes"] == 2

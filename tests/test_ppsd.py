@@ -20,6 +20,8 @@ from spd_jax.drafters.objective import distill_kl
 from spd_jax.drafters.ppsd import EXIT, EarlyExit, PPSDCheckpointError, PPSDConfig, init_ppsd, save_ppsd
 from spd_jax.models import decoder
 from spd_jax.models.attention import init_kv_cache
+from spd_jax.placements import Placements
+from spd_jax import methods
 from tolerances import CACHED_VS_FULL, assert_close, bound
 
 PROMPT = [1, 17, 42, 99, 5, 63, 7]
@@ -38,7 +40,8 @@ def reference(deep):
 
 
 def _ppsd(model, n, stage_layers=None, **kw):
-    return spd_jax.generate(model, PROMPT, NEW, stop_at_eos=False, method="ppsd", n=n, stage_layers=stage_layers, **kw)
+    return spd_jax.generate(model, PROMPT, NEW, method=methods.PPSD(n=n, stage_layers=stage_layers, **kw),
+                            stop_at_eos=False)
 
 
 # llama: two depths and an uneven plan; Qwen3.5: the uneven plan with stages of both kinds and of one
@@ -67,7 +70,7 @@ def _rest_is_the_last_layer(model, plan):
         for key in ("wo", "w_down", "w_out"):
             if key in layers[kinds[i]]:
                 layers[kinds[i]][key] = layers[kinds[i]][key].at[j].set(0.0)
-    edited = dataclasses.replace(model, params=dict(model.params, layers=layers), runtime={})
+    edited = dataclasses.replace(model, params=dict(model.params, layers=layers), placements=Placements())
     v = init_ppsd(cfg, spec, model.params)
     for key, w in model.params["layers"]["attention"].items():
         v["params"][f"layer_{key}"] = w[-1:]
@@ -197,9 +200,9 @@ def test_checkpoints_load_for_their_target_and_plan(deep, reference, tmp_path, t
         _ppsd(deep, 4, other_plan, drafter_spec=str(tmp_path / "h"))
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PPSDCheckpointError, match="trained for another model"):
-        spd_jax.generate(other, PROMPT, 4, method="ppsd", n=4, drafter_spec=str(tmp_path / "h"))
+        spd_jax.generate(other, PROMPT, 4, method=methods.PPSD(n=4, drafter_spec=str(tmp_path / "h")))
     with pytest.raises(FileNotFoundError, match="not a PSM checkpoint"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, spec=str(tmp_path / "h"))
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=4, spec=str(tmp_path / "h")))
     with pytest.raises(ValueError, match="drafts after stage 0's step, on its device: placement 'own'"):
         _ppsd(deep, 4, drafter_spec="random", psm_placement="own")
 
@@ -242,11 +245,12 @@ def test_trains_through_the_same_step_and_exports(tiny_ckpt, tmp_path):
     checkpoints.save_drafter(tmp_path / "ppsd", variables, spec, dict(trained=dict(method="ppsd", steps=20)))
     assert json.loads((tmp_path / "ppsd" / "ppsd.json").read_text())["head"] == "shared"
     want = spd_jax.generate(model, prompts[1], 16, stop_at_eos=False).token_ids
-    res = spd_jax.generate(model, prompts[1], 16, method="ppsd", n=4, drafter_spec=str(tmp_path / "ppsd"),
+    res = spd_jax.generate(model, prompts[1], 16, method=methods.PPSD(n=4, drafter_spec=str(tmp_path / "ppsd")),
                            stop_at_eos=False)
     assert res.token_ids == want and res.stats["accepted"] > 0
     here = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), variables)
-    mem = spd_jax.generate(model, prompts[1], 16, method="ppsd", n=4, drafter_spec=(spec, here), stop_at_eos=False)
+    mem = spd_jax.generate(model, prompts[1], 16, method=methods.PPSD(n=4, drafter_spec=(spec, here)),
+                           stop_at_eos=False)
     assert (mem.stats["accepted"], mem.stats["cycles"]) == (res.stats["accepted"], res.stats["cycles"])
 
 
@@ -281,7 +285,7 @@ def test_cli_trains_the_ppsd_head_and_it_decodes(smollm2, tmp_path):
     assert np.array_equal(v["params"]["lm_head"], np.asarray(smollm2.params["embed"])[v["vocab"]["ids"]])
     prompt = smollm2.encode("What is 7 times 8?")
     want = spd_jax.generate(smollm2, prompt, 16).token_ids
-    assert spd_jax.generate(smollm2, prompt, 16, method="ppsd", n=2, drafter_spec=str(out / "ppsd")).token_ids == want
+    assert spd_jax.generate(smollm2, prompt, 16, method=methods.PPSD(n=2, drafter_spec=str(out / "ppsd"))).token_ids == want
 
 
 def test_evaluate_and_replay_take_the_ppsd_head(tiny_ckpt, tmp_path):

@@ -29,6 +29,7 @@ import spd_jax
 from spd_jax.convert import reference_psm as ref
 from spd_jax.drafters.psm import PSM, load_psm
 from spd_jax.models.attention import init_kv_cache
+from spd_jax import methods
 from tolerances import VS_TRANSFORMERS, bound
 
 T = 12  # positions drafted from, at every fill
@@ -324,7 +325,7 @@ def test_spd_with_the_converted_psm_equals_ar(bases, converted):
     _, _, model, _ = bases("qwen3_5")
     spec_dir = converted("n8")[3]
     ar = spd_jax.generate(model, PROMPT, 16, method="ar", stop_at_eos=False).token_ids
-    res = spd_jax.generate(model, PROMPT, 16, method="spd", n=8, spec=str(spec_dir), stop_at_eos=False)
+    res = spd_jax.generate(model, PROMPT, 16, method=methods.SPD(n=8, spec=str(spec_dir)), stop_at_eos=False)
     assert res.token_ids == ar and res.stats["psm"] == str(spec_dir)
 
 

@@ -16,6 +16,7 @@ from spd_jax.datasets import read_benchmark
 from spd_jax.decode import pipelined
 from spd_jax.decode.schedule import replay_greedy
 from spd_jax.drafters.psm import PSMConfig, drafts_by_fill, init_psm, save_psm
+from spd_jax import methods
 
 PROMPT = [1, 17, 42, 99, 5, 63, 7]
 NEW = 24
@@ -43,8 +44,8 @@ def test_replay_equals_the_engine_for_any_pattern_of_right_drafts(deep, referenc
     rng = np.random.default_rng(seed)
     keep = rng.random(NEW) < [0.9, 0.6, 0.3][seed]
     spoiled = [t if k else (t + 1) % deep.config.vocab_size for t, k in zip(reference, keep)]
-    res = spd_jax.generate(deep, PROMPT, NEW, stop_at_eos=False, method="spd", n=n, drafter="oracle",
-                           oracle_tokens=spoiled)
+    res = spd_jax.generate(deep, PROMPT, NEW, method=methods.SPD(n=n, drafter="oracle", oracle_tokens=spoiled),
+                           stop_at_eos=False)
     assert res.token_ids == reference
     seq = PROMPT + reference
     right = np.zeros((len(seq), n), bool)
@@ -60,7 +61,7 @@ def test_replay_stops_at_eos_and_the_budget(deep, reference):
     stopper = dataclasses.replace(deep, config=dataclasses.replace(deep.config, eos_token_ids=(eos,)))
     seq = PROMPT + reference
     for new in (NEW, 5):
-        res = spd_jax.generate(stopper, PROMPT, new, method="spd", n=4, drafter="oracle", oracle_tokens=reference)
+        res = spd_jax.generate(stopper, PROMPT, new, method=methods.SPD(n=4, drafter="oracle", oracle_tokens=reference))
         rep = replay_greedy(4, seq, len(PROMPT), np.ones((len(seq), 4), bool), new, eos_ids=(eos,))
         assert (rep.tokens, rep.cycles, rep.accepted, rep.rejected) == _counts(res.stats)
     with pytest.raises(ValueError, match="continuation"):
@@ -75,7 +76,7 @@ def test_psm_drafts_by_fill_replay_the_engines_run(deep, reference, n, h_L):
     anchors = PSMConfig.for_target(deep.config, plan.counts).anchors + ((deep.config.num_layers,) if h_L else ())
     spec = PSMConfig.for_target(deep.config, plan.counts, num_layers=1, anchors=anchors)
     variables = init_psm(deep.config, spec, deep.params, seed=3)
-    res = spd_jax.generate(deep, PROMPT, NEW, stop_at_eos=False, method="spd", n=n, spec=(spec, variables))
+    res = spd_jax.generate(deep, PROMPT, NEW, method=methods.SPD(n=n, spec=(spec, variables)), stop_at_eos=False)
     assert res.token_ids == reference
     seq = PROMPT + reference
     nxt, drafts = (np.asarray(a)[0] for a in drafts_by_fill(deep.config, spec, variables, deep.params,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import spd_jax
+from spd_jax.decode.sampling import Sampling
 from train import replies
 
 SETTINGS = dict(sources=["gsm8k"], samples=2, max_len=40, batch=4, chunk=3, seed=7, weights_dtype="float32",
@@ -45,9 +46,9 @@ def test_replies_are_the_targets_and_do_not_depend_on_their_batch(tiny, prompts,
             ids, mask = seqs[i]
             i += 1
             prompt = prompts[p]
-            sample = {} if k == 0 else dict(temperature=1.0, top_k=replies.TOP_K, top_p=replies.TOP_P,
-                                            seed=replies.unit_seed(7, p, k, 2))
-            alone = spd_jax.generate(tiny, prompt.tolist(), 40 - len(prompt), **sample).token_ids
+            sample = Sampling() if k == 0 else Sampling(temperature=1.0, top_k=replies.TOP_K, top_p=replies.TOP_P,
+                                                        seed=replies.unit_seed(7, p, k, 2))
+            alone = spd_jax.generate(tiny, prompt.tolist(), 40 - len(prompt), sampling=sample).token_ids
             assert ids.tolist() == prompt.tolist() + alone  # what the target gives the prompt alone
             assert np.flatnonzero(mask).tolist() == list(range(len(prompt) - 1, len(ids) - 1))
 
@@ -111,7 +112,7 @@ def test_the_committed_corpus_matches_its_manifest():
 def test_batch_seeds_one_per_prompt(tiny):
     ps = [[3, 4, 5], [1, 17, 42, 99, 5]]
     got = spd_jax.generate_batch(tiny, ps, max_len=24, temperature=1.0, seed=[11, 3], stop_at_eos=False)
-    assert got == [spd_jax.generate(tiny, p, 24 - len(p), temperature=1.0, seed=s, stop_at_eos=False).token_ids
+    assert got == [spd_jax.generate(tiny, p, 24 - len(p), sampling=Sampling(temperature=1.0, seed=s), stop_at_eos=False).token_ids
                    for p, s in zip(ps, [11, 3])]
     with pytest.raises(ValueError, match="seed holds 1 seeds for 2 prompts"):
         spd_jax.generate_batch(tiny, ps, max_len=24, temperature=1.0, seed=[1])

@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 import spd_jax
+from spd_jax.decode import pipelined
 from spd_jax.models import decoder, schema
 from spd_jax.pipeline import stages
 from spd_jax.sharding import (STAGE_RULES, TP_RULES, Placement, logical_spec, model_mesh, stage_mesh,
                               tree_shardings)
+from spd_jax import methods
+from spd_jax.decode.sampling import Sampling
 from jax.sharding import PartitionSpec as P
 
 PROMPT = [1, 17, 42, 99, 5, 63, 7]
@@ -47,7 +50,7 @@ def test_tp_greedy_equals_ar(tiny_ckpt, model_type):
     model = spd_jax.load_model(path)
     ref = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False).token_ids
     for n in (2, 3, 4, 8):
-        res = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False, method="tp", n=n)
+        res = spd_jax.generate(model, PROMPT, 24, method=methods.TP(n=n), stop_at_eos=False)
         assert res.token_ids == ref, n
         assert res.stats["method"] == "tp" and res.stats["devices"] == n
 
@@ -55,10 +58,10 @@ def test_tp_greedy_equals_ar(tiny_ckpt, model_type):
 def test_tp_sampling_equals_ar_with_the_same_seed(tiny_ckpt):
     path, _ = tiny_ckpt("qwen3", False)
     model = spd_jax.load_model(path)
-    kw = dict(max_new_tokens=24, stop_at_eos=False, temperature=1.0, top_p=0.9, seed=5)
+    kw = dict(max_new_tokens=24, stop_at_eos=False, sampling=Sampling(temperature=1.0, top_p=0.9, seed=5))
     ref = spd_jax.generate(model, PROMPT, **kw).token_ids
     streamed = []
-    assert spd_jax.generate(model, PROMPT, method="tp", n=4, stream=streamed.append, **kw).token_ids == ref
+    assert spd_jax.generate(model, PROMPT, method=methods.TP(n=4), stream=streamed.append, **kw).token_ids == ref
     assert streamed == ref
 
 
@@ -81,9 +84,10 @@ def test_tp_sharded_load_places_every_leaf_by_the_rules(tiny_ckpt):
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(full)[shard.index])
         split += any(a is not None for a in w.spec)
     assert split >= 7  # embed, lm_head, wq, wo (4 query heads), w_gate, w_up, w_down really are split
-    assert spd_jax.generate(model, PROMPT, 16, method="tp", n=n).token_ids == \
+    assert spd_jax.generate(model, PROMPT, 16, method=methods.TP(n=n)).token_ids == \
         spd_jax.generate(whole, PROMPT, 16).token_ids
-    assert model.runtime[("tp", n)][0] is model.params  # used in place, not resharded
+    assert model.placements.placement("tp") == n
+    assert model.placements.entries("tp")["params"][0] is model.params  # used in place, not resharded
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
@@ -98,11 +102,10 @@ def test_stage_rules_put_each_stage_on_its_own_device(tiny_ckpt, model_type):
     with pytest.raises(ValueError, match="loaded for the pipeline"):
         spd_jax.generate(model, PROMPT, 4)
     ref = spd_jax.generate(whole, PROMPT, 16, stop_at_eos=False).token_ids
-    assert spd_jax.generate(model, PROMPT, 16, stop_at_eos=False, method="pipeline", n=n).token_ids == ref
-    (key,) = [k for k in model.runtime if k[0] == "stage_weights"]
-    stage_w = model.runtime[key][0]
+    assert spd_jax.generate(model, PROMPT, 16, method=methods.Pipeline(n=n), stop_at_eos=False).token_ids == ref
+    stage_w = model.placements.entries(pipelined.STAGE_SLOT)["weights"][0]
     cfg = model.config
-    layout = key[1]  # the cached stacks are keyed by their StageLayout
+    layout, _ = model.placements.placement(pipelined.STAGE_SLOT)  # the stage weights are kept at (layout, tp)
     ids = stages.stage_layer_ids(cfg, layout)
     kind_pos = {kind: np.cumsum([t == kind for t in cfg.layer_types]) - 1 for kind in ids}
     for kind, per_position in stage_w.items():  # one buffer [n, ...] per position j in a stage's layers of the kind
@@ -128,11 +131,10 @@ def test_spd_places_one_target_head_for_the_psm_and_the_verification(tiny_ckpt, 
     model = spd_jax.load_model(path)
     ref = spd_jax.generate(model, PROMPT, 12, stop_at_eos=False).token_ids
     for n in (2, 4):
-        assert spd_jax.generate(model, PROMPT, 12, stop_at_eos=False, method="spd", n=n,
-                                spec="random").token_ids == ref
-        ((key, (_, _, shared)),) = [(k, v) for k, v in model.runtime.items() if k[0] == "stage_weights"]
-        ((pkey, placed),) = [(k, v) for k, v in model.runtime.items() if k[0] == "psm_on_mesh"]
-        assert pkey[-1] == key[1]  # placed for this layout
+        assert spd_jax.generate(model, PROMPT, 12, method=methods.SPD(n=n, spec="random"), stop_at_eos=False).token_ids == ref
+        kept = model.placements.entries(pipelined.STAGE_SLOT)  # this layout's: the last n's dropped
+        assert model.placements.placement(pipelined.STAGE_SLOT)[0].plan.n == n
+        shared, ((_, placed),) = kept["shared"], [(k, v) for k, v in kept.items() if k not in ("weights", "shared")]
         head = decoder.lm_head(shared, model.config)
         assert placed["params"]["lm_head"] is head and len(head.sharding.device_set) == n
 

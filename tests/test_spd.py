@@ -17,6 +17,7 @@ from spd_jax.pipeline.partition import balanced, explicit, plan_stages, uniform
 from spd_jax.costs.profile import loop_collectives
 from spd_jax.drafters import psm
 from spd_jax.drafters.psm import PSMCheckpointError, PSMConfig, init_psm, load_psm, save_psm
+from spd_jax.decode.sampling import Sampling
 from two_tokens import TwoTokens, warped
 
 
@@ -36,8 +37,9 @@ def reference(deep):
 
 
 def _check_lossless(model, reference, n, stage_layers, method):
-    res = spd_jax.generate(model, PROMPT, 24, stop_at_eos=False, method=method, n=n, stage_layers=stage_layers,
-                           psm_layers=1)
+    res = spd_jax.generate(model, PROMPT, 24,
+                           method=methods.get(method).taking(n=n, stage_layers=stage_layers, psm_layers=1),
+                           stop_at_eos=False)
     assert res.token_ids == reference
     s = res.stats
     assert s["n"] == n and sum(s["stage_layers"]) == 8 and s["tokens"] == 24
@@ -74,17 +76,18 @@ def test_psm_placement_is_lossless(deep, reference, placement):
     if deep.config.linear is not None and placement != "own":
         pytest.skip("the placement logic does not depend on the layer kinds: one Qwen3.5 case")
     n = 4
-    res = spd_jax.generate(deep, PROMPT, 24, stop_at_eos=False, method="spd", n=n, psm_layers=1, psm_placement=placement)
+    res = spd_jax.generate(deep, PROMPT, 24, method=methods.SPD(n=n, psm_layers=1, psm_placement=placement),
+                           stop_at_eos=False)
     assert res.token_ids == reference and res.stats["rejected"] > 0
     assert res.stats["psm_device"] == (n if placement == "own" else 0)
     assert res.stats["devices"] == (n + 1 if placement == "own" else n)
     if deep.config.linear is None:
-        kw = dict(stop_at_eos=False, method="spd", n=n, psm_layers=1, temperature=1.0, top_k=20, seed=3)
-        here = spd_jax.generate(deep, PROMPT, 24, psm_placement=placement, **kw)
-        last = spd_jax.generate(deep, PROMPT, 24, psm_placement="last", **kw)
+        kw = dict(stop_at_eos=False, sampling=Sampling(temperature=1.0, top_k=20, seed=3))
+        here = spd_jax.generate(deep, PROMPT, 24, method=methods.SPD(n=n, psm_layers=1, psm_placement=placement), **kw)
+        last = spd_jax.generate(deep, PROMPT, 24, method=methods.SPD(n=n, psm_layers=1, psm_placement="last"), **kw)
         assert here.token_ids == last.token_ids and here.stats["accepted"] == last.stats["accepted"]
     with pytest.raises(ValueError, match="psm placement 9"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=n, psm_layers=1, psm_placement=9)
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=n, psm_layers=1, psm_placement=9))
 
 
 @pytest.mark.parametrize("n,stage_layers,method", [(3, [2, 5, 1], "spd"), (4, None, "pipeline")])
@@ -96,8 +99,8 @@ def test_greedy_equals_autoregressive_qwen3(tiny_ckpt, n, stage_layers, method):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_oracle_drafter_reaches_the_ideal_alpha(deep, reference, n):
-    res = spd_jax.generate(deep, PROMPT, 24, stop_at_eos=False, method="spd", n=n, drafter="oracle",
-                           oracle_tokens=reference)
+    res = spd_jax.generate(deep, PROMPT, 24, method=methods.SPD(n=n, drafter="oracle", oracle_tokens=reference),
+                           stop_at_eos=False)
     assert res.token_ids == reference
     s = res.stats
     assert s["rejected"] == 0 and s["accepted"] == 23
@@ -111,7 +114,7 @@ def test_eos_stops_spd(deep, reference):
 
     eos = reference[6]
     stopper = dataclasses.replace(deep, config=dataclasses.replace(deep.config, eos_token_ids=(eos,)))
-    res = spd_jax.generate(stopper, PROMPT, 24, method="spd", n=4, psm_layers=1)
+    res = spd_jax.generate(stopper, PROMPT, 24, method=methods.SPD(n=4, psm_layers=1))
     assert res.token_ids == reference[:reference.index(eos) + 1]
 
 
@@ -122,20 +125,21 @@ def test_no_recompilation_per_cycle_or_length(deep):
         if "backend_compile" in event:
             compiles.append(event)
 
-    spd_jax.generate(deep, PROMPT, 20, method="spd", n=4, psm_layers=1)
+    spd_jax.generate(deep, PROMPT, 20, method=methods.SPD(n=4, psm_layers=1))
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        spd_jax.generate(deep, PROMPT[:5], 37, method="spd", n=4, psm_layers=1)  # other lengths, same buckets
-        spd_jax.generate(deep, PROMPT + [3, 3], 11, method="spd", n=4, psm_layers=1)
+        spd_jax.generate(deep, PROMPT[:5], 37, method=methods.SPD(n=4, psm_layers=1))  # other lengths, same buckets
+        spd_jax.generate(deep, PROMPT + [3, 3], 11, method=methods.SPD(n=4, psm_layers=1))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
 
 
-def _pair_counts(model, runs, **kw):
+def _pair_counts(model, runs, method, **sampling):
     out = {}
     for i in range(runs):
-        pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, seed=i, stop_at_eos=False, **kw).token_ids)
+        pair = tuple(spd_jax.generate(model, SAMPLING_PROMPT, 2, sampling=Sampling(seed=i, **sampling), method=method,
+                                      stop_at_eos=False).token_ids)
         out[pair] = out.get(pair, 0) + 1
     return out
 
@@ -156,7 +160,7 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=n)[0])
     method = "ppsd" if drafter == "ppsd" else "spd"
-    kw = dict(temperature=1.0, top_k=4, method=method, n=n, psm_layers=1, drafter_spec="random")
+    kw = dict(n=n, psm_layers=1, drafter_spec="random")
 
     target = TwoTokens(model, SAMPLING_PROMPT)
     p0, cells, pvalue = target.first, target.cells, target.pvalue
@@ -171,15 +175,16 @@ def test_sampling_matches_the_target_distribution(tiny_ckpt, monkeypatch, tmp_pa
         second = warped(model, SAMPLING_PROMPT + [first])
         kw = dict(kw, drafter="oracle", oracle_tokens=[first, max(second, key=second.get)])
     runs = 400
-    outside, p_ok = pvalue(_pair_counts(model, runs, **kw))
+    sampling = dict(temperature=1.0, top_k=4)
+    outside, p_ok = pvalue(_pair_counts(model, runs, methods.get(method).taking(**kw), **sampling))
     print(f"correct rule: p={p_ok:.3g}")
     assert outside == 0 and p_ok > 1e-3
     if draft_vocab:
         return  # the wrong rule is the engine's, not the head's: rejected once is enough
 
     monkeypatch.setattr(engine, "_TEST_ACCEPT_EVERY_DRAFT", True)
-    monkeypatch.setattr(methods.METHODS[method], "compiled", CompileCache())
-    outside, p_bad = pvalue(_pair_counts(model, 200, **kw))  # the wrong rule fails by far
+    monkeypatch.setattr(type(methods.METHODS[method]), "compiled", CompileCache())
+    outside, p_bad = pvalue(_pair_counts(model, 200, methods.get(method).taking(**kw), **sampling))  # the wrong rule fails by far
     print(f"wrong rule: {outside} outside the support, p={p_bad:.3g}")
     assert outside > 0 or p_bad < 1e-6
 
@@ -193,7 +198,8 @@ def test_a_greedy_cycle_runs_three_collectives(tiny_ckpt, method, placement):
     all-gather; on a device of its own (5 devices) the embedding is whole on each."""
     # one model kind: the cycle's communication does not depend on the layer kinds
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
-    spd_jax.generate(model, PROMPT, 4, stop_at_eos=False, method=method, n=4, psm_layers=1, psm_placement=placement)
+    spd_jax.generate(model, PROMPT, 4, method=methods.get(method).taking(n=4, psm_layers=1, psm_placement=placement),
+                     stop_at_eos=False)
     assert loop_collectives(methods.get(method).compiled.latest().as_text()) == {"collective-permute": 1,
                                                                                  "all-gather": 2}
 
@@ -210,8 +216,9 @@ def test_a_sampled_cycle_runs_what_the_cost_model_counts(tiny_ckpt, method, top_
     from spd_jax.costs import cycle as cyc
 
     model = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=8)[0])
-    spd_jax.generate(model, PROMPT, 4, temperature=1.0, top_k=top_k, stop_at_eos=False, method=method, n=4,
-                     psm_layers=1, psm_placement="last")
+    spd_jax.generate(model, PROMPT, 4, sampling=Sampling(temperature=1.0, top_k=top_k),
+                     method=methods.get(method).taking(n=4, psm_layers=1, psm_placement="last"),
+                     stop_at_eos=False)
     plan = pipelined.plan_for(model, 4)
     cc = cyc.cycle_costs(model.config, plan, PSMConfig.for_target(model.config, plan.counts, 1) if method == "spd"
                          else None, 64)
@@ -235,29 +242,29 @@ def test_partition_helpers():
 
 def test_bad_input(deep, tmp_path, tiny_ckpt):
     with pytest.raises(ValueError, match="n=9 pipeline stages for a model of 8 layers"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=9)
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=9))
     big = spd_jax.load_model(tiny_ckpt("llama", False, num_hidden_layers=12)[0])
     with pytest.raises(ValueError, match="need 10 devices, but JAX sees 8.*xla_force_host_platform_device_count=10"):
-        spd_jax.generate(big, PROMPT, 4, method="spd", n=10)
+        spd_jax.generate(big, PROMPT, 4, method=methods.SPD(n=10))
     with pytest.raises(ValueError, match="exceeds the cache limit of 512"):
-        spd_jax.generate(deep, [1] * 501, 12, method="spd", n=2)
+        spd_jax.generate(deep, [1] * 501, 12, method=methods.SPD(n=2))
     # PSM checkpoints for another n or another model
     plan = pipelined.plan_for(deep, 4).counts  # what generate(n=4) runs
     cfg = PSMConfig.for_target(deep.config, plan, num_layers=1)
     save_psm(tmp_path / "psm4", init_psm(deep.config, cfg, deep.params), cfg)
     with pytest.raises(PSMCheckpointError, match="trained for n=4 pipeline stages, not n=2"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=2, spec=tmp_path / "psm4")
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=2, spec=tmp_path / "psm4"))
     other = spd_jax.load_model(tiny_ckpt("qwen3", False, num_hidden_layers=8)[0])
     with pytest.raises(PSMCheckpointError, match="trained for another model"):
-        spd_jax.generate(other, PROMPT, 4, method="spd", n=4, spec=tmp_path / "psm4")
+        spd_jax.generate(other, PROMPT, 4, method=methods.SPD(n=4, spec=tmp_path / "psm4"))
     other_plan = [1, 3, 2, 2] if list(plan) != [1, 3, 2, 2] else [2, 2, 1, 3]
     with pytest.raises(PSMCheckpointError, match=rf"trained for the stage plan \[{', '.join(map(str, plan))}\]"
                                                  rf".*--stages {','.join(map(str, plan))}"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, stage_layers=other_plan, spec=tmp_path / "psm4")
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=4, stage_layers=other_plan, spec=tmp_path / "psm4"))
     with pytest.raises(FileNotFoundError, match="not a PSM checkpoint"):
-        spd_jax.generate(deep, PROMPT, 4, method="spd", n=4, spec=tmp_path)
+        spd_jax.generate(deep, PROMPT, 4, method=methods.SPD(n=4, spec=tmp_path))
     # a saved PSM loads and decodes losslessly
-    res = spd_jax.generate(deep, PROMPT, 12, method="spd", n=4, spec=tmp_path / "psm4", stop_at_eos=False)
+    res = spd_jax.generate(deep, PROMPT, 12, method=methods.SPD(n=4, spec=tmp_path / "psm4"), stop_at_eos=False)
     assert res.token_ids == spd_jax.generate(deep, PROMPT, 12, stop_at_eos=False).token_ids
     assert res.stats["psm"] == str(tmp_path / "psm4")
 
@@ -281,7 +288,7 @@ def test_a_psm_for_other_weights_of_the_same_shape_is_refused(tiny_ckpt, tmp_pat
            rf"weights have fingerprint {a.weights_fingerprint}, those of {re.escape(str(b.path))} "
            rf"{b.weights_fingerprint} .*train a PSM for {re.escape(str(b.path))} .* or use one trained for it")
     with pytest.raises(PSMCheckpointError, match=msg):
-        spd_jax.generate(b, PROMPT, 4, method="spd", n=2, spec=tmp_path / "a")
+        spd_jax.generate(b, PROMPT, 4, method=methods.SPD(n=2, spec=tmp_path / "a"))
     with pytest.raises(PSMCheckpointError, match="fingerprint"):  # the loader alone: from the target's params
         load_psm(tmp_path / "a", b.config, plan, b.params)
     # as the PSM shipped under a default model's name: its model gets it; other weights under that name

@@ -3,7 +3,9 @@
 - Import graph, read from the source with `ast` (every import at any depth, function bodies included):
   no cycle among the project's modules; `infer` and `train` do not import each other; `spd_jax` (the
   library) imports none of `train`, `infer`, `bench`.
-- No non-test module over MAX_MODULE_LINES lines.
+- No non-test module over MAX_MODULE_LINES lines, and no function in spd_jax/ over MAX_FUNCTION_LINES (its
+  decorators and body included): a function a reader can follow in one screen. `api.generate` takes at most
+  MAX_GENERATE_PARAMETERS parameters (its options as typed objects).
 - Every command in a fenced shell block of README.md and docs/**/*.md that runs a project module
   (`python -m X ...` / `python3 -m X ...`, X under spd_jax/, train/, infer/, bench/) parses as written:
   the module's `main(argv)` runs with `ArgumentParser.parse_args` / `parse_intermixed_args` patched to
@@ -31,6 +33,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("spd_jax", "train", "infer", "bench")
 MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+MAX_GENERATE_PARAMETERS = 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ def test_layers_import_downward_only(importer, forbidden):
 # or below. A name covers its package; the longest name that covers a module places it; `spd_jax` is the
 # package's own __init__ only.
 LAYERS = (
-    ("spd_jax.config", "spd_jax.progress", "spd_jax.datasets"),
+    ("spd_jax.config", "spd_jax.progress", "spd_jax.datasets", "spd_jax.placements"),
     ("spd_jax.models", "spd_jax.sharding", "spd_jax.convert"),  # convert: HF / GGUF / random checkpoints
     ("spd_jax.distributed",),
     ("spd_jax.drafters", "spd_jax.convert.eagle3"),  # eagle3: reads the drafter's weight schema
@@ -212,6 +216,41 @@ def test_no_module_over_the_size_limit():
     sizes = {m: len(p.read_text().splitlines()) for m, p in _sources().items()}
     over = sorted(((n, m) for m, n in sizes.items() if n > MAX_MODULE_LINES), reverse=True)
     assert not over, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(f"{m} ({n})" for n, m in over)
+
+
+def long_functions(source: str, limit: int) -> list[tuple[int, str, int]]:
+    """(line, name, lines) of every function or method in source longer than limit lines, from its first
+    decorator to its last line (nested functions counted in their parent and on their own)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if node.end_lineno - start + 1 > limit:
+                found.append((node.lineno, node.name, node.end_lineno - start + 1))
+    return found
+
+
+def test_no_library_function_over_the_size_limit():
+    over = [f"{path.relative_to(ROOT)}:{line} {name} ({n})" for mod, path in _sources().items()
+            if _top(mod) == "spd_jax" for line, name, n in long_functions(path.read_text(), MAX_FUNCTION_LINES)]
+    assert not over, f"functions in spd_jax/ over {MAX_FUNCTION_LINES} lines: " + ", ".join(over)
+
+
+def test_generate_takes_one_options_object_per_concern():
+    """`api.generate` takes the model, the prompt, the budget and at most five more: the sampling rule and the
+    method as one typed value each (`Sampling`, a `methods.Method`), not their fields one by one."""
+    import inspect
+
+    from spd_jax import api
+    params = inspect.signature(api.generate).parameters
+    assert len(params) <= MAX_GENERATE_PARAMETERS, list(params)
+    assert {"sampling", "method"} <= set(params)
+
+
+def test_the_function_length_scan_counts_decorators_and_nested_functions():
+    src = "@dec\ndef f():\n    def g():\n        a = 1\n        return a\n    return g\n"
+    assert long_functions(src, 5) == [(2, "f", 6)]
+    assert long_functions(src, 2) == [(2, "f", 6), (3, "g", 3)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

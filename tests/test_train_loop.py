@@ -26,6 +26,7 @@ from spd_jax.drafters.base import join_params
 from spd_jax.models import decoder
 from spd_jax.reports.plots import plot_curves
 from spd_jax.reports.results import read_rows
+from spd_jax import methods
 from train import checkpoints as train_checkpoints
 from train import corpus as train_corpus
 from train import data as train_data
@@ -142,7 +143,7 @@ def test_draft_vocabulary_trains_saves_and_decodes_exactly(llama, tmp_path):
     assert np.array_equal(v2["params"]["lm_head"], np.asarray(llama.params["lm_head"])[ids])
     prompt = corpus[0][0][:12]
     want = spd_jax.generate(llama, prompt, 16, stop_at_eos=False).token_ids
-    res = spd_jax.generate(llama, prompt, 16, method="spd", n=2, spec=str(tmp_path / "psm"), stop_at_eos=False)
+    res = spd_jax.generate(llama, prompt, 16, method=methods.SPD(n=2, spec=str(tmp_path / "psm")), stop_at_eos=False)
     assert res.token_ids == want and res.stats["accepted"] > 0
 
 
@@ -525,7 +526,7 @@ def test_own_head_trains_exports_and_decodes_exactly(llama, tmp_path):
     assert np.array_equal(np.asarray(v2["params"]["lm_head"]), np.asarray(head.astype(jnp.bfloat16), np.float32))
     prompt = [int(t) for t in _corpus(cfg.vocab_size, n=1, seed=2)[0][0][:12]]
     want = spd_jax.generate(llama, prompt, 12, stop_at_eos=False).token_ids
-    res = spd_jax.generate(llama, prompt, 12, method="spd", n=2, spec=str(tmp_path / "psm"), stop_at_eos=False)
+    res = spd_jax.generate(llama, prompt, 12, method=methods.SPD(n=2, spec=str(tmp_path / "psm")), stop_at_eos=False)
     assert res.token_ids == want
     warm, _ = train_step.init_state(llama, spec, tc.replace(init_from=str(tmp_path / "psm")), opt)
     assert np.array_equal(np.asarray(warm["params"]["lm_head"]), np.asarray(v2["params"]["lm_head"]))
@@ -564,12 +565,13 @@ def test_eagle3_trains_through_the_same_step(llama, tmp_path):
     meta = json.loads((tmp_path / "drafter" / "eagle3.json").read_text())
     assert meta["head"] == "shared" and meta["trained"]["method"] == "eagle3"
     want = spd_jax.generate(llama, prompts[1], 16, stop_at_eos=False).token_ids
-    res = spd_jax.generate(llama, prompts[1], 16, method="eagle3", k=3, drafter_spec=str(tmp_path / "drafter"),
+    res = spd_jax.generate(llama, prompts[1], 16, method=methods.EAGLE3(k=3, drafter_spec=str(tmp_path / "drafter")),
                            stop_at_eos=False)
     assert res.token_ids == want and res.stats["drafter_spec"] == str(tmp_path / "drafter")
     # the export is the trained drafter: the same drafts accepted as with the weights in memory
     here = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), variables)
-    mem = spd_jax.generate(llama, prompts[1], 16, method="eagle3", k=3, drafter_spec=(spec, here), stop_at_eos=False)
+    mem = spd_jax.generate(llama, prompts[1], 16, method=methods.EAGLE3(k=3, drafter_spec=(spec, here)),
+                           stop_at_eos=False)
     assert (mem.stats["accepted"], mem.stats["rounds"]) == (res.stats["accepted"], res.stats["rounds"])
 
 

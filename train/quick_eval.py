@@ -8,6 +8,8 @@ full evaluation is infer.evaluate's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import spd_jax
@@ -41,11 +43,10 @@ def quick_eval(model, spec: Spec, variables: dict, prompts: list[np.ndarray], tc
     if not prompts:
         return {}
     kind = registry.of_config(spec)
-    method = methods.of_drafter(kind)
-    options = kind.training.eval_options(spec, variables, tc.drafter)
+    method = dataclasses.replace(methods.of_drafter(kind), **kind.training.eval_options(spec, variables, tc.drafter))
     tokens = steps = 0
     for ids in prompts:
-        res = spd_jax.generate(model, ids, tc.run.eval_tokens, method=method.name, stop_at_eos=False, **options)
+        res = spd_jax.generate(model, ids, tc.run.eval_tokens, method=method, stop_at_eos=False)
         tokens += res.stats["tokens"]
         steps += method.steps(res.stats)
     return kind.training.eval_summary(spec, tokens, steps, tc.drafter)

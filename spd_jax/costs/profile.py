@@ -97,8 +97,20 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     ar_step_ms = _median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
 
+    return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
+                verify_ms=verify_ms, ar_step_ms=ar_step_ms,
+                comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters), context=context, n=n,
+                stage_layers=list(plan.counts),
+                includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
+                         "amortised over an on-device loop; ar_step: one decoder step of the whole model as "
+                         "decode.ar runs it")
+
+
+def _comm_ms(n: int, m: int, H: int, dtype, iters: int) -> float:
+    """The engine's per-cycle collectives on an n-stage mesh (m anchors, hidden size H), in ms per cycle,
+    amortised over an on-device loop."""
     mesh = stage_mesh(n)
-    m, H, reps = psm_cfg.m, cfg.hidden_size, 20
+    reps = 20
     fwd = [(i, i + 1) for i in range(n - 1)]
 
     def collectives(x, table):
@@ -116,16 +128,9 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE))))
     st = NamedSharding(mesh, P(STAGE))
-    xs = jax.device_put(jnp.zeros((n, 1, H), model.dtype), st)
-    tables = jax.device_put(jnp.zeros((n * m, H), model.dtype), st)  # each stage's [m, H] anchor states
-    comm_ms = _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
-
-    return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
-                verify_ms=verify_ms, ar_step_ms=ar_step_ms,
-                comm_ms=comm_ms, context=context, n=n, stage_layers=list(plan.counts),
-                includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
-                         "amortised over an on-device loop; ar_step: one decoder step of the whole model as "
-                         "decode.ar runs it")
+    xs = jax.device_put(jnp.zeros((n, 1, H), dtype), st)
+    tables = jax.device_put(jnp.zeros((n * m, H), dtype), st)  # each stage's [m, H] anchor states
+    return _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
 
 # ---------------------------------------------------------------- what a compiled loop communicates

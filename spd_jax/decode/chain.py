@@ -33,7 +33,7 @@ import numpy as np
 from spd_jax.config import ModelConfig
 from spd_jax.decode import ar, vocab
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
-from spd_jax.decode.sampling import SamplingParams, choose, token_key, warp_logits
+from spd_jax.decode.sampling import Sampling, choose, token_key, warp_logits
 from spd_jax.drafters.base import ChainDrafter, features
 from spd_jax.models import decoder
 
@@ -77,7 +77,7 @@ def decode(params: dict, dparams: Any, prompt: jax.Array, prompt_len: jax.Array,
            eos_ids: jax.Array, sp: dict, *, cc: ChainConfig, drafter: ChainDrafter) -> ChainResult:
     """prompt [1, prompt_pad] (valid up to prompt_len) -> up to max_new tokens after it (the prefill's
     token included), stopping after an EOS token (kept). params: the target's (stacked layers);
-    dparams: the drafter's; sp: `SamplingParams.runtime()`."""
+    dparams: the drafter's; sp: `Sampling.runtime()`."""
     cfg, k, S = cc.cfg, drafter.k, cc.cache_len
     V = cfg.vocab_size
     ids, own = jnp.arange(V, dtype=jnp.int32), jnp.ones((V,), bool)
@@ -147,7 +147,7 @@ def decode(params: dict, dparams: Any, prompt: jax.Array, prompt_len: jax.Array,
     return ChainResult(state.seq, state.n, state.rounds, state.accepted, state.rejected)
 
 
-def chain_config(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, k: int, sp: SamplingParams) -> ChainConfig:
+def chain_config(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, k: int, sp: Sampling) -> ChainConfig:
     """The static configuration for a prompt and budget, padded to `ar`'s shape buckets."""
     p_pad = ar.round_up(prompt_len, ar.PROMPT_BUCKET)
     cache_len = ar.round_up(max(prompt_len + max_new_tokens + k + 1, p_pad + 1), ar.CACHE_BUCKET)
@@ -155,7 +155,7 @@ def chain_config(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, k: int,
 
 
 def generate_chain(model, prompt_ids: Sequence[int], max_new_tokens: int, drafter: ChainDrafter, dparams: Any,
-                   sp: SamplingParams = SamplingParams(), stop_at_eos: bool = True,
+                   sp: Sampling = Sampling(), stop_at_eos: bool = True,
                    compiled: CompileCache | None = None):
     """Host side: pad, run and report (compiled: the caller's compile cache, default this module's).
     model: `spd_jax.api.Model` (whole layers loaded). -> (generated

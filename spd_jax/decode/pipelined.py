@@ -13,33 +13,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from spd_jax.costs import cycle
 from spd_jax.decode import ar
 from spd_jax.decode.compile_cache import CompileCache, cache_events, compile_source
-from spd_jax.decode.sampling import SamplingParams
+from spd_jax.decode.sampling import Sampling
 from spd_jax.decode.spd import EngineConfig, arg_specs, build
 from spd_jax.distributed import to_host
 from spd_jax.drafters import registry
 from spd_jax.drafters.base import NoDrafter, OracleDrafter
 from spd_jax.drafters.kind import Form
-from spd_jax.drafters.ppsd import PPSDDrafter
-from spd_jax.drafters.psm import PSMConfig, PSMDrafter
+from spd_jax.drafters.psm import PSMConfig
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
-from spd_jax.costs import cycle
 from spd_jax.pipeline import stages
 from spd_jax.pipeline.partition import StagePlan, plan_stages
 from spd_jax.sharding import (MODEL, STAGE_RULES, STAGE_TP_RULES, Placement, logical_spec, put, stage_mesh,
                               stage_model_mesh)
 
 _compiled = CompileCache()
-
-
-def check_drafter(drafter) -> None:
-    """Refuse a drafter name the pipelined methods do not run."""
-    if drafter not in DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r} for the pipelined methods: one of {', '.join(DRAFTERS)} "
-                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
-                         "method=\"eagle3\"")
+STAGE_SLOT = "stage"  # `model.placements`' slot of the stage weights and the drafters placed on their mesh
 
 
 def plan_for(model, n: int, stage_layers: Sequence[int] | None = None) -> StagePlan:
@@ -115,7 +107,8 @@ def place_psm(variables: dict, psm_cfg, shared_on_mesh: dict, cfg, rep) -> dict:
 
 class EngineDraft(NamedTuple):
     """The SPD engine's drafter for one call: the `SpdDrafter`, how its params go on the stage mesh
-    (place(prompt length, cache_len, stage layout, shared weights placed, replicated sharding)), and, for a
+    (place(prompt length, cache_len, the stage placement (layout, tp), shared weights placed, replicated
+    sharding)), and, for a
     drafter with a network, its kind's config and label (in stats under label_key: "psm", "ppsd")."""
 
     drafter: Any
@@ -125,58 +118,58 @@ class EngineDraft(NamedTuple):
     label_key: str = "psm"
 
 
-def _network_draft(kind, make, method: str):
-    """The EngineDraft maker of a drafter kind with a network: make(cfg, config) -> its `SpdDrafter`."""
-    def draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
-        d_cfg, variables, label = registry.resolve(kind, model, spec, plan, psm_layers, method=method)
-        drafter = make(model.config, d_cfg)
-        # the unplaced variables, dropped once placed: this EngineDraft lives as long as the call, and a second
-        # copy of the drafter through the run is 0.63 GB a process at Qwen3.5-4B
-        held = {"variables": variables}
-        del variables
-
-        def engine_layout():  # split from host views (on a CPU host no copy): placing makes the only new copy
-            return drafter.engine_params(jax.tree.map(
-                lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, held["variables"]))
-
-        def place(prompt_len, cache_len, layout, shared, rep):
-            if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
-                return put(engine_layout(), rep)
-            key = ("psm_on_mesh", label, d_cfg, layout)  # replicated once per (drafter, stage placement), not per call
-            if key not in model.runtime:
-                model.runtime[key] = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
-                registry.keep_placed(model, held.pop("variables"), model.runtime[key])
-            return model.runtime[key]
-
-        return EngineDraft(drafter, place, d_cfg, label, kind.name)
-
-    return draft
+def engine_draft(model, plan: StagePlan, opts) -> EngineDraft:
+    """The engine's drafter for a call with opts (a pipelined method: `methods.Pipeline` and its kin), the one
+    its `engine_drafter` names in `registry.ENGINE_DRAFTERS`: a staged kind's network, the oracle, or none."""
+    kind = registry.engine_drafter(opts.engine_drafter)
+    if kind is not None:
+        return _network_draft(kind, model, plan, opts)
+    if opts.engine_drafter == registry.ORACLE:
+        return _oracle_draft(model, opts.oracle_tokens)
+    return EngineDraft(NoDrafter(model.config.vocab_size),
+                       lambda prompt_len, cache_len, where, shared, rep: put((), rep))
 
 
-def _oracle_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
+def _network_draft(kind, model, plan: StagePlan, opts) -> EngineDraft:
+    """A staged kind's network as the engine's drafter (`DrafterKind.spd_drafter`), its weights resolved from
+    opts's drafter reference and placed once per (drafter, stage placement)."""
+    d_cfg, variables, label = registry.resolve(kind, model, opts.drafter_ref(), plan, opts.psm_layers, method=opts.name)
+    drafter = kind.spd_drafter(model.config, d_cfg)
+    # the unplaced variables, dropped once placed: this EngineDraft lives as long as the call, and a second copy
+    # of the drafter through the run is 0.63 GB a process at Qwen3.5-4B
+    held = {"variables": variables}
+    del variables
+
+    def engine_layout():  # split from host views (on a CPU host no copy): placing makes the only new copy
+        return drafter.engine_params(jax.tree.map(
+            lambda a: np.asarray(a) if getattr(a, "is_fully_addressable", True) else a, held["variables"]))
+
+    def place(prompt_len, cache_len, where, shared, rep):
+        if label == Form.GIVEN.value:  # in memory, the caller's: placed per call, not kept
+            return put(engine_layout(), rep)
+
+        def build():
+            placed = place_psm(engine_layout(), d_cfg, shared, model.config, rep)
+            registry.keep_placed(model, held.pop("variables"), placed)
+            return placed
+
+        # replicated once per (drafter, stage placement), not per call; kept beside the stage weights
+        return model.placements.get(STAGE_SLOT, ("drafter", label, d_cfg), build, placement=where)
+
+    return EngineDraft(drafter, place, d_cfg, label, kind.name)
+
+
+def _oracle_draft(model, oracle_tokens) -> EngineDraft:
     if oracle_tokens is None:
         raise ValueError("the oracle drafter needs oracle_tokens (the reference continuation)")
 
-    def place(prompt_len, cache_len, layout, shared, rep):  # the reference token at every position of the cache
+    def place(prompt_len, cache_len, where, shared, rep):  # the reference token at every position of the cache
         ref = np.zeros((cache_len,), np.int32)
         toks = np.asarray(oracle_tokens, np.int32)[: cache_len - prompt_len]
         ref[prompt_len:prompt_len + toks.size] = toks
         return put(ref, rep)
 
     return EngineDraft(OracleDrafter(k=1, vocab_size=model.config.vocab_size), place)
-
-
-def _no_draft(model, plan: StagePlan, spec, psm_layers: int, oracle_tokens) -> EngineDraft:
-    def place(prompt_len, cache_len, layout, shared, rep):
-        return put((), rep)
-
-    return EngineDraft(NoDrafter(model.config.vocab_size), place)
-
-
-# generate(drafter=...): the PSM, PPSD's early-exit head, the plain pipeline, the test oracle
-DRAFTERS: dict[str, Callable[..., EngineDraft]] = {
-    "psm": _network_draft(registry.PSM, PSMDrafter, "spd"), "ppsd": _network_draft(registry.PPSD, PPSDDrafter, "ppsd"),
-    "none": _no_draft, "oracle": _oracle_draft}
 
 
 def engine_cache_len(prompt_len: int, max_new_tokens: int, n: int) -> int:
@@ -246,55 +239,51 @@ def _new_state(*, cfg, layout: stages.StageLayout, cache_len: int, dtype, drafte
 def place_engine(model, layout: stages.StageLayout, draft: EngineDraft, mesh, prompt_len: int,
                  cache_len: int) -> Placed:
     """Place what the engine reads for one call. The stage weights, programs and shared weights are kept in
-    model.runtime per layout and mesh (one placement at a time); the caches and the drafter's state are new,
+    `model.placements`' stage slot at (layout, tp), one placement at a time (with the drafters placed beside
+    them: `place_psm` may share their head); the caches and the drafter's state are new,
     each device making only its own block (nothing of the whole [devices, ...] stack is built in one place).
     mesh: `stage`, or `stage x model` (`engine_mesh`): there the stage weights are also split over `model`."""
     cfg = model.config
     tp = dict(mesh.shape).get(MODEL, 1)
     placement = Placement(mesh, STAGE_RULES if tp == 1 else STAGE_TP_RULES, tuple(stage_units(cfg, tp).items()))
     rep, st = (NamedSharding(mesh, logical_spec(a, STAGE_RULES)) for a in ((), ("stage",)))
-    key = ("stage_weights", layout, tp)
-    if key not in model.runtime:
-        # one placement at a time: stage weights are a copy of the layers (and a placed PSM may share
-        # the placed head, `place_psm`)
-        for old in [k for k in model.runtime if k[0] in ("stage_weights", "psm_on_mesh")]:
-            del model.runtime[old]
+    where = (layout, tp)
+
+    def build_shared():
         # the embedding and heads as the stage rules place them (split by vocabulary rows where the devices divide
         # the vocabulary): used as they are when the model was loaded with them
         axes = {k: a for k, a in schema.param_axes(cfg).items() if k != "layers"}
-        shared = placement.put({k: model.params[k] for k in axes}, axes)
-        # the drafter before the stage weights: placing it holds its unplaced copy beside the placed one for a
-        # moment, and that moment's peak is then without the layers
-        dparams = draft.place(prompt_len, cache_len, layout, shared, rep)
+        return placement.put({k: model.params[k] for k in axes}, axes)
+
+    def build():
         if model.layers_loaded:
             stage_w = placement.put(stages.stack_stage_weights(model.params["layers"], cfg, layout),
                                     stages.stage_weight_axes(cfg, layout))
         else:  # loaded for the pipeline: each device reads its own stage's layers from the checkpoint
             stage_w = stages.load_stage_weights(model.reader, cfg, layout, placement, model.dtype)
-        model.runtime[key] = (stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st), shared)
-    else:
-        dparams = None
-    stage_w, prog, shared = model.runtime[key]
-    if dparams is None:
-        dparams = draft.place(prompt_len, cache_len, layout, shared, rep)
+        return stage_w, put(jax.tree.map(jnp.asarray, stages.program(cfg, layout)), st)
+
+    shared = model.placements.get(STAGE_SLOT, "shared", build_shared, placement=where)
+    # the drafter before the stage weights: placing it holds its unplaced copy beside the placed one for a moment,
+    # and that moment's peak is then without the layers
+    dparams = draft.place(prompt_len, cache_len, where, shared, rep)
+    stage_w, prog = model.placements.get(STAGE_SLOT, "weights", build, placement=where)
     caches, dstate = _new_state(cfg=cfg, layout=layout, cache_len=cache_len, dtype=jnp.dtype(model.dtype),
                                 drafter=draft.drafter, sharding=st)
     return Placed(stage_w, prog, shared, dparams, caches, dstate)
 
 
-def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: SamplingParams, *, method: str,
-                       n: int, stage_layers=None, spec=None, psm_layers: int = 2, drafter: str = "psm",
-                       oracle_tokens: Sequence[int] | None = None, stop_at_eos: bool = True,
-                       psm_placement="auto", compiled: CompileCache | None = None, tp: int = 1):
-    """One prompt through the n-stage pipeline with the engine drafter named `drafter` (`DRAFTERS`);
-    method names the run in the stats. compiled: the caller's compile cache (default this module's).
-    tp: devices per stage, each stage tensor-parallel over them (a `stage x model` mesh, `engine_mesh`)."""
-    cfg = model.config
+def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampling, opts, *,
+                       stop_at_eos: bool = True, compiled: CompileCache | None = None):
+    """One prompt through the pipeline a pipelined method's options say (opts: `methods.Pipeline` or its kin,
+    as given: its n stages and stage_layers, its engine drafter (`engine_draft`), psm_placement, and tp,
+    devices per stage, each stage tensor-parallel over them: a `stage x model` mesh, `engine_mesh`); opts.name
+    names the run in the stats. compiled: the caller's compile cache (default this module's)."""
+    cfg, tp = model.config, int(opts.tp)
     check_tp(cfg, tp)
-    plan = plan_for(model, n, stage_layers)
-    check_drafter(drafter)  # before the PSM and the stage weights are loaded and placed
-    draft = DRAFTERS[drafter](model, plan, spec, psm_layers, oracle_tokens)
-    psm_device = drafter_device(model, plan, draft, psm_placement)
+    plan = plan_for(model, opts.n, opts.stage_layers)
+    draft = engine_draft(model, plan, opts)  # its name was checked when opts was made
+    psm_device = drafter_device(model, plan, draft, opts.psm_placement)
     # the stages' programs gather the drafter's anchors (a layout needs one: the embedding, unused without)
     layout = stages.StageLayout.of(cfg, plan, draft.drafter.anchors or (0,), devices=plan.n + (psm_device == plan.n))
     mesh = engine_mesh(cfg, layout.devices, tp)
@@ -336,7 +325,7 @@ def generate_pipelined(model, prompt: np.ndarray, max_new_tokens: int, sp: Sampl
     N, K = len(tokens), int(cycles)
     alpha = N / K if K else float("nan")
     stats = dict(
-        method=method, drafter=drafter, **({"psm": None} | {draft.label_key: draft.label}), n=plan.n,
+        method=opts.name, drafter=opts.engine_drafter, **({"psm": None} | {draft.label_key: draft.label}), n=plan.n,
         stage_layers=list(plan.counts),
         tokens=N, prompt_tokens=P_, cycles=K, alpha=alpha,
         S0=alpha * cfg.num_layers / plan.max_layers,

@@ -28,7 +28,11 @@ def _integer(v) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class Sampling:
+    """How a method chooses tokens, checked once here: `generate(..., sampling=Sampling(temperature=0.7,
+    top_p=0.9, seed=1))`; the default is greedy. Every path (ar, the chain, the SPD engine, batches) reads
+    this one value: its compile-time switches (`greedy`, `filtered`) and its `runtime` arrays."""
+
     temperature: float = 0.0  # 0 = greedy
     top_k: int | None = None  # None or 0 = off
     top_p: float | None = None  # None or 1.0 = off

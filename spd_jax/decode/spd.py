@@ -51,8 +51,8 @@ import jax.numpy as jnp
 
 from spd_jax.config import ModelConfig
 from spd_jax.decode import vocab
+from spd_jax.decode.heads import StageHeads
 from spd_jax.decode.sampling import token_key
-from spd_jax.models import decoder
 from spd_jax.sharding import STAGE, STAGE_RULES, logical_spec, vary
 from spd_jax.pipeline.stages import StageLayout, program, stage_forward
 from spd_jax.drafters.base import SpdCycle, SpdDrafter, SpdOps
@@ -164,250 +164,260 @@ def arg_specs(tree) -> Any:
     return jax.tree.map(lambda a: a.sharding.spec, tree)
 
 
+class Decision(NamedTuple):
+    """A cycle's decisions, replicated (they come out of collectives): the token for the verified position
+    p1 = t - (n - 1) + 1 and whether it equals the draft there, the draft for t + 1, the embeddings [H] of
+    both, and this stage's ring of draft distributions (with the new draft's q)."""
+
+    y: jax.Array
+    ok: jax.Array
+    draft: jax.Array
+    emb_y: jax.Array
+    emb_d: jax.Array
+    qring: jax.Array
+
+
 def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, prompt, prompt_len, max_new,
             eos_ids, sp):
-    cfg, lay, n = ec.cfg, ec.layout, ec.n
-    last, m, H, S, Pp = n - 1, len(lay.anchors), cfg.hidden_size, ec.cache_len, ec.prompt_pad
-    D = ec.devices  # n, or n + 1 with the PSM on its own device (which runs no layers)
-    W = n + 2  # anchor-table ring over positions; > the n + 1 positions a cycle can touch
-    s = jax.lax.axis_index(STAGE)
-    w = jax.tree.map(lambda t: t[0], stage_w)
-    pr = jax.tree.map(lambda t: t[0], prog)
+    """The body `build` maps over the devices: each device's blocks of the per-stage buffers ([1, ...]) ->
+    prefill, then the decode loop, one `_Engine.cycle` per iteration, until done (EOS or the budget)."""
+    e = _Engine(ec, stage_w, prog, shared, dparams, sp, prompt_len, max_new, eos_ids)
     cache = jax.tree.map(lambda t: t[0], caches)
     dstate = jax.tree.map(lambda t: t[0], dstate)
-    fwd = [(i, i + 1) for i in range(n - 1)]
-    drafter = ec.drafter
-    drafts, gathers = drafter.k > 0, bool(drafter.anchors)  # static: what the cycle computes
-    # the stage that makes each anchor (-1: none, e.g. h_0), static: where a cycle's anchor states land
-    # in the table follows from it and the replicated bookkeeping, so only the states themselves travel
-    made_by = [-1] * m
-    for stage, ids in enumerate(program(cfg, lay)["anchor_id"]):
-        for a in ids[ids >= 0]:
-            made_by[int(a)] = stage
-    made_by = jnp.asarray(made_by, jnp.int32)  # [m]
-    produces = made_by == s  # [m] the anchors this stage makes
+    state, local = e.prefill(prompt, cache, dstate)
+    max_cycles = max_new * ec.n + ec.n + 2  # a safety bound: every n cycles commit at least one token
+    state, local = jax.lax.while_loop(lambda c: ~c[0].done & (c[0].cycles < max_cycles), e.cycle, (state, local))
+    lift = lambda t: t[None]  # noqa: E731
+    return (state.seq, state.n_commit, state.cycles, state.accepted, state.rejected,
+            state.seq[None], jax.tree.map(lift, local.cache), jax.tree.map(lift, local.dstate))
 
-    def bcast(v, src=last):
-        """A value computed on stage `src` -> the same value on every stage."""
+
+class _Engine:
+    """One device's part of the engine, traced once: the static layout (stage s, its weights, the anchors'
+    makers) and the cycle's steps, each a method: draft (1), stage step (2), exchange (3), heads and
+    decision (4), accept or roll back (5), then the hidden states move one stage on."""
+
+    def __init__(self, ec: EngineConfig, stage_w, prog, shared, dparams, sp, prompt_len, max_new, eos_ids):
+        cfg, lay, n = ec.cfg, ec.layout, ec.n
+        self.ec, self.cfg, self.lay, self.n, self.last = ec, cfg, lay, n, n - 1
+        self.m, self.H, self.S, self.Pp = len(lay.anchors), cfg.hidden_size, ec.cache_len, ec.prompt_pad
+        self.W = n + 2  # anchor-table ring over positions; > the n + 1 positions a cycle can touch
+        self.s = s = jax.lax.axis_index(STAGE)
+        self.w = jax.tree.map(lambda t: t[0], stage_w)
+        self.pr = jax.tree.map(lambda t: t[0], prog)
+        self.dparams, self.sp, self.drafter = dparams, sp, ec.drafter
+        self.prompt_len, self.max_new, self.eos_ids = prompt_len, max_new, eos_ids
+        self.budget_end = prompt_len + max_new  # positions < budget_end may be generated
+        self.drafts, self.gathers = ec.drafter.k > 0, bool(ec.drafter.anchors)  # static: what the cycle computes
+        self.sampled_drafts = self.drafts and not ec.greedy
+        self.early = self.drafts and ec.drafter.after_stage is None  # drafts at the cycle's start
+        # the stage that makes each anchor (-1: none, e.g. h_0), static: where a cycle's anchor states land
+        # in the table follows from it and the replicated bookkeeping, so only the states themselves travel
+        made_by = [-1] * self.m
+        for stage, ids in enumerate(program(cfg, lay)["anchor_id"]):
+            for a in ids[ids >= 0]:
+                made_by[int(a)] = stage
+        self.made_by = jnp.asarray(made_by, jnp.int32)  # [m]
+        self.heads = StageHeads(ec, shared, sp, s)
+        self.ops = SpdOps(
+            final_norm=shared["final_norm"],
+            on_device=lambda fn, other, operand: jax.lax.cond(s == ec.psm_dev, fn, other, operand),
+            vary=lambda v: vary(v, STAGE))
+
+    def bcast(self, v, src=None):
+        """A value computed on stage `src` (default the last) -> the same value on every stage."""
         v = jnp.asarray(v)
-        return jax.lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), STAGE).astype(v.dtype)
+        src = self.last if src is None else src
+        return jax.lax.psum(jnp.where(self.s == src, v, jnp.zeros_like(v)), STAGE).astype(v.dtype)
 
-    def permute(x):
-        return jax.lax.ppermute(x, STAGE, fwd) if n > 1 else x
+    def permute(self, x):
+        """Each stage's x -> the next stage's (x [1, 1, H] or [1, Pp, H])."""
+        return jax.lax.ppermute(x, STAGE, [(i, i + 1) for i in range(self.n - 1)]) if self.n > 1 else x
 
-    # ---------------- the heads, one vocabulary shard per stage (decode.vocab): target logits of rows
-    # [start, start + rows) from the final hidden state broadcast by the last stage
-    V = cfg.vocab_size
-    vs = vocab.Shards(V, D)
-    ids_v, own_v = vs.ids(s), vs.own(s)
-    head = decoder.lm_head(shared, cfg)  # this device's rows [vs.rows, H] with vocab_rows, else all [V, H]
-
-    def own_rows(ids):
-        """Token ids [...] -> [..., H]: their embeddings where this device holds the row, zeros elsewhere (the
-        table split by rows), or every embedding (the table whole on each device)."""
-        if not ec.vocab_rows:
-            return decoder.embed(shared, ids)
-        at = ids - vs.start(s)
-        mine = (at >= 0) & (at < vs.rows)
-        rows = jnp.take(shared["embed"], jnp.clip(at, 0, vs.rows - 1), axis=0)
-        return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-
-    def lookup(ids):
-        """Token ids [...] -> the embeddings [..., H], the same on every device (split by rows: an all-reduce of
-        each device's rows; every device calls it)."""
-        return jax.lax.psum(own_rows(ids), STAGE) if ec.vocab_rows else own_rows(ids)
-
-    def cap(rows):  # candidates per shard for a filter: without top-k, top-p may keep any of them
-        return min(rows, ec.top_k_cap) if ec.top_k_cap else rows
-
-    def warp(logits, own, rows):
-        return vocab.warp(logits, own, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered, cap(rows), STAGE)
-
-    def target_logits(h):
-        """h [H], the same on every stage -> this stage's shard of the target's logits [rows]."""
-        return jnp.where(own_v, decoder.head_logits(h, shared["final_norm"], head, cfg, vs.start(s), vs.rows),
-                         -jnp.inf)
-
-    def target_choice(logits, pos):
-        if ec.greedy:
-            return vocab.argmax(logits, ids_v, STAGE)
-        return vocab.categorical(token_key(sp["seed"], pos), warp(logits, own_v, vs.rows), ids_v, V, STAGE)
-
-    # ---------------- the drafter's head, sharded over the devices as the target's is: its rows (V, or a
-    # draft vocabulary's V') split D ways, the choice made by collectives
-    on_drafter = s == ec.psm_dev
-
-    def draft_logits(drafter_head, token_ids):
-        """-> (this device's shard of the drafter head's logits [rows] (-inf off its own rows), their
-        token ids [rows], the head's `Shards`)."""
-        hs = vocab.Shards(V if token_ids is None else token_ids.shape[0], D)
-        rows, own = hs.ids(s), hs.own(s)
-        logits = jnp.where(own, drafter_head(hs.start(s), hs.rows), -jnp.inf)
-        return logits, rows if token_ids is None else token_ids[rows], hs
-
-    def draft_sampled(logits, ids, hs, token_ids, pos):
-        """A draw for `pos` with its draft key from the drafter head's shard -> (token, q [vs.rows]: this
-        device's shard of the draft's target-vocabulary distribution, which verification reads)."""
-        own = hs.own(s)
-        warped = warp(logits, own, hs.rows)
-        d = vocab.categorical(jax.random.fold_in(token_key(sp["seed"], pos), vocab.DRAFT), warped, ids, V, STAGE)
-        q = vocab.softmax(warped, STAGE)  # over this device's head rows
-        if token_ids is not None:  # head rows -> this device's target-vocabulary shard (V' values cross, not V)
-            every = jax.lax.all_gather(q, STAGE)  # [D, rows]
-            row_of = jnp.stack([hs.ids(r) for r in range(D)])
-            q_rows = jnp.zeros(token_ids.shape, q.dtype).at[row_of].add(
-                jnp.where(jnp.stack([hs.own(r) for r in range(D)]), every, 0.0))
-            at = token_ids - vs.start(s)  # position in this device's target-vocabulary shard
-            mine = (at >= 0) & (at < vs.rows) & (token_ids >= s * vs.rows)
-            q = jnp.zeros((vs.rows,), q.dtype).at[jnp.where(mine, at, vs.rows)].add(q_rows, mode="drop")
-        return d, q
-
-    ops = SpdOps(
-        final_norm=shared["final_norm"],
-        on_device=lambda fn, other, operand: jax.lax.cond(on_drafter, fn, other, operand),
-        vary=lambda v: vary(v, STAGE))
-
-    # ---------------- prefill: the prompt through the stages in turn, one stage per iteration; a loop,
-    # not n unrolled copies of the stage, so compile time does not grow with n
-    emb = lookup(prompt)  # [1, Pp, H]
-    x0 = vary(emb, STAGE)  # each stage's hidden state is its own from the first round on
-
-    def prefill_round(r, carry):
-        x, cache, anc_prompt = carry
-        x, cache, anc = jax.lax.cond(
-            s == r,
-            lambda a: stage_forward(w, a[1], pr, a[0], jnp.int32(0), cfg, lay, length=prompt_len),
-            lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, Pp, H), a[0].dtype), STAGE)),
+    def stage_or_skip(self, run, x, cache, pos, **length):
+        """This stage's layers on x [1, T, H] from position pos when run (else x and cache as they are, no
+        anchors) -> (x [1, T, H], cache, anchor states [m, 1, T, H]). length: the prompt's, in prefill."""
+        m, H, cfg, lay = self.m, self.H, self.cfg, self.lay
+        return jax.lax.cond(
+            run,
+            lambda a: stage_forward(self.w, a[1], self.pr, a[0], pos, cfg, lay, **length),
+            lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, a[0].shape[1], H), a[0].dtype), STAGE)),
             (x, cache))
-        x = jnp.where(r < last, permute(x), x)  # the last stage keeps its output
-        return x, cache, anc_prompt + anc
 
-    x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round, (x0, cache, vary(jnp.zeros((m, 1, Pp, H), emb.dtype), STAGE)))
-    h_last = bcast(jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)[0, 0])  # [H], the last stage's
-    y0 = target_choice(target_logits(h_last), prompt_len)
+    def prefill(self, prompt, cache, dstate) -> tuple[LoopState, StageCarry]:
+        """prompt [1, Pp] through the stages in turn, one stage per iteration (a loop, not n unrolled copies of
+        the stage, so compile time does not grow with n); the first new token from the last stage's state;
+        the prompt's anchor states into the drafter's state -> the loop's first (LoopState, StageCarry)."""
+        n, m, H, Pp, S, W, hd = self.n, self.m, self.H, self.Pp, self.S, self.W, self.heads
+        prompt_len, max_new, eos_ids = self.prompt_len, self.max_new, self.eos_ids
+        emb = hd.lookup(prompt)  # [1, Pp, H]
+        x0 = vary(emb, STAGE)  # each stage's hidden state is its own from the first round on
 
-    if gathers:  # the prompt's anchor states, every position verified, into the drafter's state
-        anchor_states = jax.lax.psum(anc_prompt[:, 0], STAGE).at[0].set(emb[0])  # [m, Pp, H]
-        dstate = drafter.spd_prefill(dparams, dstate, anchor_states, ops)
+        def prefill_round(r, carry):
+            x, cache, anc_prompt = carry
+            x, cache, anc = self.stage_or_skip(self.s == r, x, cache, jnp.int32(0), length=prompt_len)
+            x = jnp.where(r < self.last, self.permute(x), x)  # the last stage keeps its output
+            return x, cache, anc_prompt + anc
 
-    positions = jnp.arange(S)
-    seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
-    seq = seq.at[prompt_len].set(y0)
-    sampled_drafts = drafts and not ec.greedy
-    state = LoopState(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
-                      cached=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
-                      embeds=jnp.zeros((W, H), emb.dtype).at[prompt_len % W].set(lookup(y0)),
-                      cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
-                      done=jnp.any(y0 == eos_ids) | (max_new <= 1))
-    # per-stage carries: what the stages compute differs between them from the first cycle on
-    local = vary(StageCarry(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, dstate=dstate,
-                            qring=jnp.zeros((n, vs.rows) if sampled_drafts else (1, 1), jnp.float32)), STAGE)
-    budget_end = prompt_len + max_new  # positions < budget_end may be generated
+        x, cache, anc_prompt = jax.lax.fori_loop(0, n, prefill_round,
+                                                 (x0, cache, vary(jnp.zeros((m, 1, Pp, H), emb.dtype), STAGE)))
+        h_last = self.bcast(jax.lax.dynamic_index_in_dim(x, prompt_len - 1, axis=1)[0, 0])  # [H], the last stage's
+        y0 = hd.target_choice(hd.target_logits(h_last), prompt_len)
+        if self.gathers:  # the prompt's anchor states, every position verified, into the drafter's state
+            anchor_states = jax.lax.psum(anc_prompt[:, 0], STAGE).at[0].set(emb[0])  # [m, Pp, H]
+            dstate = self.drafter.spd_prefill(self.dparams, dstate, anchor_states, self.ops)
+        positions = jnp.arange(S)
+        seq = jnp.where(positions < prompt_len, jnp.zeros((S,), jnp.int32).at[:Pp].set(prompt[0]), 0)
+        seq = seq.at[prompt_len].set(y0)
+        state = LoopState(seq=seq, t=prompt_len, valid=jnp.zeros((n,), bool).at[0].set(True), completed=prompt_len,
+                          cached=prompt_len, n_commit=prompt_len + 1, table=jnp.zeros((W, m, H), emb.dtype),
+                          embeds=jnp.zeros((W, H), emb.dtype).at[prompt_len % W].set(hd.lookup(y0)),
+                          cycles=jnp.int32(0), accepted=jnp.int32(0), rejected=jnp.int32(0),
+                          done=jnp.any(y0 == eos_ids) | (max_new <= 1))
+        # per-stage carries: what the stages compute differs between them from the first cycle on
+        local = vary(StageCarry(x=jnp.zeros((1, 1, H), emb.dtype), cache=cache, dstate=dstate,
+                                qring=jnp.zeros((n, hd.vs.rows) if self.sampled_drafts else (1, 1), jnp.float32)),
+                     STAGE)
+        return state, local
 
-    def verify_sampled(st, loc, h):
+    def cycle(self, carry: tuple[LoopState, StageCarry]) -> tuple[LoopState, StageCarry]:
+        """One cycle: every stage advances its token, the drafter proposes the token for t + 1, the token
+        leaving the last stage is verified, and the bookkeeping accepts or rolls back."""
+        st, loc = carry
+        cyc = SpdCycle(seq=st.seq, t=st.t, completed=st.completed, cached=st.cached, table=st.table,
+                       embeds=st.embeds)
+        x_draft, dstate = None, loc.dstate
+        if self.early:  # 1. the drafter's network for x_{t+1}, from the states at the start of the cycle
+            x_draft, dstate = self.drafter.spd_draft(self.dparams, dstate, cyc, self.ops)  # [H], the drafter's device's
+        x_out, cache, anc = self.stage_step(st, loc)  # 2.
+        if self.drafts and not self.early:  # a drafter reading what its stage made this cycle (PPSD's early exit)
+            x_draft, dstate = self.drafter.spd_draft(self.dparams, dstate, cyc._replace(made=anc[:, 0, 0]), self.ops)
+        every, table = self.exchange(st, x_out, anc, x_draft)  # 3.
+        dec = self.decide(st, loc, every, x_out.dtype, x_draft, cyc)  # 4.
+        new = self.advance(st, dec, table)  # 5.
+        # 6. hidden states move one stage on
+        return new, StageCarry(x=self.permute(x_out), cache=cache, dstate=dstate, qring=dec.qring)
+
+    def stage_step(self, st: LoopState, loc: StageCarry):
+        """Step 2: every stage advances its token in flight (stage s holds position t - s when valid; a PSM
+        device of its own, s == n, holds no stage: never valid) -> (x_out [1, 1, H], cache, anchor states
+        [m, 1, 1, H] it made)."""
+        s, n, t = self.s, self.n, st.t
+        pos_s, valid_s = t - s, (s < n) & st.valid[jnp.minimum(s, n - 1)]
+        x_in = jnp.where(s == 0, st.embeds[t % self.W][None, None], loc.x)  # stage 0's token, embedded when chosen
+        return self.stage_or_skip(valid_s, x_in, loc.cache, pos_s)
+
+    def exchange(self, st: LoopState, x_out, anc, x_draft):
+        """Step 3: the cycle's one broadcast of [H] values, every device's packet to every device (one
+        all-gather): its output (the last stage's is the token verified), the anchor states it made (each
+        anchor has one maker) and the drafter's hidden state. One dtype for the packet, the widest of them,
+        so each value comes back exactly. (The next stage's input goes by the pipeline's own ppermute.)
+        -> (every [D, 1 + m + drafts, H], the anchor table [W, m, H] with the states made this cycle)."""
+        m, W, made_by, valid = self.m, self.W, self.made_by, st.valid
+        parts = ([x_out[0, 0][None]] + ([anc[:, 0, 0]] if self.gathers else [])
+                 + ([x_draft[None]] if self.drafts else []))
+        dt = jnp.result_type(*parts)
+        every = vocab.gather(jnp.concatenate([p.astype(dt) for p in parts]), STAGE)  # [D, 1 + m + drafts, H]
+        table = st.table
+        if self.gathers:
+            fresh = every[jnp.maximum(made_by, 0), 1 + jnp.arange(m)].astype(table.dtype)  # [m, H] from the makers
+            came = (made_by >= 0) & valid[jnp.maximum(made_by, 0)]  # [m], replicated
+            slot, a_ids = (st.t - made_by) % W, jnp.arange(m)  # the maker's token position t - s, in the ring
+            table = table.at[slot, a_ids].set(jnp.where(came[:, None], fresh, table[slot, a_ids]))
+        return every, table
+
+    def decide(self, st: LoopState, loc: StageCarry, every, x_dtype, x_draft, cyc: SpdCycle) -> Decision:
+        """Step 4: the heads on every device's shard, the draft for t + 1 (from the drafter's hidden state in
+        every [D, ., H]) and the verification of the token leaving the last stage (skipped while the
+        pipeline refills: `verified` is replicated, so every stage takes the same branch); the decisions
+        come out of collectives, identical everywhere."""
+        h_verify = every[self.last, 0].astype(x_dtype)  # [H]
+        d, token_ids = None, None
+        if self.drafts:
+            head, token_ids = self.drafter.spd_head(self.dparams, every[self.ec.psm_dev, -1].astype(x_draft.dtype),
+                                                    cyc, self.ops)
+            d = self.heads.draft_logits(head, token_ids)
+        if self.ec.greedy:
+            return self.decide_greedy(st, loc, h_verify, d, token_ids)
+        return self.decide_sampled(st, loc, h_verify, d, token_ids)
+
+    def decide_greedy(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids) -> Decision:
+        """Greedy: both argmaxes (the target's at p1, the draft's) from one all-gather of each shard's best
+        (`vocab.argmax`, two heads). d: the drafter head's (logits [rows], ids [rows], Shards) or None."""
+        hd, ec, last = self.heads, self.ec, self.last
+        verified, p1 = st.valid[last], st.t - last + 1
+        has_next = st.valid[last - 1] if self.n > 1 else jnp.bool_(False)
+        none = vary(vocab.shard_best(jnp.full((1,), -jnp.inf), jnp.zeros((1,), jnp.int32)), STAGE)
+        best = jnp.stack([jax.lax.cond(verified, lambda h: vocab.shard_best(hd.target_logits(h), hd.ids_v),
+                                       lambda h: none, h_verify)]
+                         + ([vocab.shard_best(d[0], d[1])] if self.drafts else []))  # [1 + drafts, 2]
+        # split by rows, each shard's best token's embedding rides along (the device holds its row)
+        packet = jnp.concatenate([best, vocab.as_words(hd.own_rows(best[:, 1]))], axis=-1) if ec.vocab_rows else best
+        every_best = vocab.gather(packet, STAGE)  # [D, 1 + drafts, 2 (+ the row's words)]
+        chosen = vocab.best_of(every_best[..., :2])  # [1 + drafts]
+        y, draft = chosen[0], chosen[-1] if self.drafts else jnp.int32(0)
+        ok = has_next & (st.seq[p1] == y)  # `vocab.verify_greedy`'s rule
+        if ec.vocab_rows:
+            rode = vocab.winner_rows(every_best, chosen, st.embeds.dtype)
+            # a draft vocabulary's rows are not split as the embedding's: the shard of the best draft row need
+            # not hold the draft's embedding row, so the draft is looked up (an all-reduce)
+            emb_y, emb_d = rode[0], (rode[-1] if token_ids is None else hd.lookup(draft))
+        else:
+            emb_y, emb_d = hd.lookup(jnp.stack([y, draft]))
+        return Decision(y, ok, draft, emb_y, emb_d, loc.qring)
+
+    def decide_sampled(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids) -> Decision:
+        """Sampling: the draft drawn from the drafter head's shards (its q [rows] kept in this stage's ring for
+        its verification n - 1 cycles later), the token at p1 verified against its draft by the
+        accept/reject rule (`verify_sampled`)."""
+        hd, t, draft, qring = self.heads, st.t, jnp.int32(0), loc.qring
+        if self.drafts:
+            draft, q = hd.draft_sampled(*d, token_ids, t + 1)
+            if self.sampled_drafts:
+                qring = qring.at[(t + 1) % self.n].set(q)
+        ok, y = jax.lax.cond(st.valid[self.last], lambda a: self.verify_sampled(*a),
+                             lambda a: (jnp.bool_(False), jnp.int32(0)), (st, loc._replace(qring=qring), h_verify))
+        emb_y, emb_d = hd.lookup(jnp.stack([y, draft]))  # one all-reduce of both rows when split by rows
+        return Decision(y, ok, draft, emb_y, emb_d, qring)
+
+    def verify_sampled(self, st: LoopState, loc: StageCarry, h):
         """Every stage, on its vocabulary shard: the token at p leaves the last stage (h [H], its output,
         on every device); its logits decide position p+1 (the same decision on every stage: it comes
-        out of collectives). Greedy verification is in the cycle, its argmax gathered with the draft's."""
+        out of collectives) -> (accepted, the token at p+1)."""
+        hd, last, n = self.heads, self.last, self.n
         p1 = st.t - last + 1
         has_next = st.valid[last - 1] if n > 1 else jnp.bool_(False)
-        logits = target_logits(h)
+        logits = hd.target_logits(h)
         drafted = st.seq[p1]
         # the draft at p1's q (read only when has_next; without drafts there is none)
-        q_dist = loc.qring[p1 % n] if sampled_drafts else jnp.zeros((vs.rows,), jnp.float32)
-        ok, y = vocab.verify_sampled(token_key(sp["seed"], p1), warp(logits, own_v, vs.rows), q_dist, drafted,
-                                     has_next, ids_v, own_v, V, STAGE)
+        q_dist = loc.qring[p1 % n] if self.sampled_drafts else jnp.zeros((hd.vs.rows,), jnp.float32)
+        ok, y = vocab.verify_sampled(token_key(self.sp["seed"], p1), hd.warp(logits, hd.own_v, hd.vs.rows), q_dist,
+                                     drafted, has_next, hd.ids_v, hd.own_v, hd.V, STAGE)
         if _TEST_ACCEPT_EVERY_DRAFT:
             ok = has_next
         return ok, y
 
-    def cycle(carry):
-        st, loc = carry
-        t, valid, seq = st.t, st.valid, st.seq
-
-        # 1. the drafter's network for x_{t+1}, from the states at the start of the cycle (early start)
-        can_draft = (t + 1 < budget_end) & drafts
-        dstate, qring = loc.dstate, loc.qring
-        cyc = SpdCycle(seq=seq, t=t, completed=st.completed, cached=st.cached, table=st.table, embeds=st.embeds)
-        early = drafts and drafter.after_stage is None
-        if early:
-            x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc, ops)  # [H], the drafter's device's
-
-        # 2. every stage advances its token
-        # a PSM device of its own (s == n) holds no stage: never valid
-        pos_s, valid_s = t - s, (s < n) & valid[jnp.minimum(s, n - 1)]
-        x_in = jnp.where(s == 0, st.embeds[t % W][None, None], loc.x)  # stage 0's token, embedded when chosen
-        x_out, cache, anc = jax.lax.cond(
-            valid_s,
-            lambda a: stage_forward(w, a[1], pr, a[0], pos_s, cfg, lay),
-            lambda a: (a[0], a[1], vary(jnp.zeros((m, 1, 1, H), a[0].dtype), STAGE)),
-            (x_in, loc.cache))
-        if drafts and not early:  # a drafter reading what its stage made this cycle (PPSD's early exit): after it
-            x_draft, dstate = drafter.spd_draft(dparams, dstate, cyc._replace(made=anc[:, 0, 0]), ops)
-
-        # 3. the cycle's one broadcast of [H] values: every device's packet to every device (one all-gather):
-        # its output (the last stage's is the token verified), the anchor states it made (each anchor has
-        # one maker) and the drafter's hidden state. One dtype for the packet, the widest of them, so each
-        # value comes back exactly. (The next stage's input goes by the pipeline's own ppermute, step 5.)
-        parts = [x_out[0, 0][None]] + ([anc[:, 0, 0]] if gathers else []) + ([x_draft[None]] if drafts else [])
-        dt = jnp.result_type(*parts)
-        every = vocab.gather(jnp.concatenate([p.astype(dt) for p in parts]), STAGE)  # [D, 1 + m + drafts, H]
-        h_verify = every[last, 0].astype(x_out.dtype)
-        table = st.table
-        if gathers:
-            fresh = every[jnp.maximum(made_by, 0), 1 + jnp.arange(m)].astype(table.dtype)  # [m, H] from the makers
-            came = (made_by >= 0) & valid[jnp.maximum(made_by, 0)]  # [m], replicated
-            slot, a_ids = (t - made_by) % W, jnp.arange(m)  # the maker's token position t - s, in the ring
-            table = table.at[slot, a_ids].set(jnp.where(came[:, None], fresh, table[slot, a_ids]))
-
-        # 4. the heads on every device's shard: the draft for t + 1, and the verification of the token
-        # leaving the last stage (skipped while the pipeline refills: `verified` is replicated, so every
-        # stage takes the same branch); the decisions come out of collectives, identical everywhere
-        verified = valid[last]
-        p1 = t - last + 1
+    def advance(self, st: LoopState, dec: Decision, table) -> LoopState:
+        """Step 5: accept or roll back. A verified token that equals its draft commits and the pipeline
+        shifts (the new draft enters stage 0 at t + 1); one that differs is replaced, the pipeline flushed
+        and refilled from p1 (caches are position-indexed: nothing to undo). -> the next LoopState."""
+        n, S, W, last, seq = self.n, self.S, self.W, self.last, st.seq
+        t, valid = st.t, st.valid
+        verified, p1 = valid[last], t - last + 1
         has_next = valid[last - 1] if n > 1 else jnp.bool_(False)
-        draft, token_ids = jnp.int32(0), None
-        if drafts:
-            head, token_ids = drafter.spd_head(dparams, every[ec.psm_dev, -1].astype(x_draft.dtype), cyc, ops)
-            d_logits, d_ids, hs = draft_logits(head, token_ids)
-        if ec.greedy:  # both argmaxes from one all-gather of each shard's best (`vocab.argmax`, two heads)
-            none = vary(vocab.shard_best(jnp.full((1,), -jnp.inf), jnp.zeros((1,), jnp.int32)), STAGE)
-            best = jnp.stack([jax.lax.cond(verified, lambda h: vocab.shard_best(target_logits(h), ids_v),
-                                           lambda h: none, h_verify)]
-                             + ([vocab.shard_best(d_logits, d_ids)] if drafts else []))  # [1 + drafts, 2]
-            # split by rows, each shard's best token's embedding rides along (the device holds its row)
-            packet = jnp.concatenate([best, vocab.as_words(own_rows(best[:, 1]))], axis=-1) if ec.vocab_rows else best
-            every_best = vocab.gather(packet, STAGE)  # [D, 1 + drafts, 2 (+ the row's words)]
-            chosen = vocab.best_of(every_best[..., :2])  # [1 + drafts]
-            y, draft = chosen[0], chosen[-1] if drafts else draft
-            ok = has_next & (seq[p1] == y)  # `vocab.verify_greedy`'s rule
-            rode = vocab.winner_rows(every_best, chosen, emb.dtype) if ec.vocab_rows else None
-        else:
-            if drafts:
-                draft, q = draft_sampled(d_logits, d_ids, hs, token_ids, t + 1)
-                if sampled_drafts:
-                    qring = qring.at[(t + 1) % n].set(q)
-            ok, y = jax.lax.cond(verified, lambda a: verify_sampled(*a), lambda a: (jnp.bool_(False), jnp.int32(0)),
-                                 (st, loc._replace(qring=qring), h_verify))
-        accept = verified & ok
-        replace = verified & ~ok
-        # the embedding of the token entering stage 0 next cycle (t + 1's draft, or p1's replacement)
-        if ec.greedy and ec.vocab_rows:
-            # a draft vocabulary's rows are not split as the embedding's: the shard of the best draft row need not
-            # hold the draft's embedding row, so the draft is looked up (an all-reduce)
-            emb_y, emb_d = rode[0], (rode[-1] if token_ids is None else lookup(draft))
-        else:
-            emb_y, emb_d = lookup(jnp.stack([y, draft]))  # one all-reduce of both rows when split by rows
+        can_draft = (t + 1 < self.budget_end) & self.drafts
+        accept, replace = verified & dec.ok, verified & ~dec.ok
         next_t = jnp.where(replace, p1, t + 1)
-        seq = jnp.where(replace, seq.at[p1].set(y), seq)
+        seq = jnp.where(replace, seq.at[p1].set(dec.y), seq)
         committed = seq[p1]
         draft_ok = can_draft & ~replace
-        seq = jnp.where(draft_ok, seq.at[jnp.minimum(t + 1, S - 1)].set(draft), seq)
+        seq = jnp.where(draft_ok, seq.at[jnp.minimum(t + 1, S - 1)].set(dec.draft), seq)
         n_commit = jnp.where(verified, p1 + 1, st.n_commit)
         flushed = jnp.zeros((n,), bool).at[0].set(True)
         shifted = jnp.concatenate([draft_ok[None], valid[:-1]])
-        fed = replace | draft_ok
-        embeds = jnp.where(fed, st.embeds.at[next_t % W].set(jnp.where(replace, emb_y, emb_d)), st.embeds)
-        new = LoopState(
+        fed = replace | draft_ok  # the embedding of the token entering stage 0 next cycle
+        embeds = jnp.where(fed, st.embeds.at[next_t % W].set(jnp.where(replace, dec.emb_y, dec.emb_d)), st.embeds)
+        return LoopState(
             seq=seq, table=table, embeds=embeds,
             t=next_t,
             valid=jnp.where(replace, flushed, shifted),
@@ -417,14 +427,5 @@ def _engine(ec: EngineConfig, stage_w, prog, shared, dparams, caches, dstate, pr
             cycles=st.cycles + 1,
             accepted=st.accepted + accept.astype(jnp.int32),
             rejected=st.rejected + (replace & has_next).astype(jnp.int32),
-            done=(verified & jnp.any(committed == eos_ids)) | (n_commit - prompt_len >= max_new),
+            done=(verified & jnp.any(committed == self.eos_ids)) | (n_commit - self.prompt_len >= self.max_new),
         )
-        # 5. hidden states move one stage on
-        return new, StageCarry(x=permute(x_out), cache=cache, dstate=dstate, qring=qring)
-
-    max_cycles = max_new * n + n + 2  # a safety bound: every n cycles commit at least one token
-    state, local = jax.lax.while_loop(lambda c: ~c[0].done & (c[0].cycles < max_cycles), cycle,
-                                      (state, local))
-    lift = lambda t: t[None]  # noqa: E731
-    return (state.seq, state.n_commit, state.cycles, state.accepted, state.rejected,
-            state.seq[None], jax.tree.map(lift, local.cache), jax.tree.map(lift, local.dstate))

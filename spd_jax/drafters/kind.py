@@ -37,8 +37,8 @@ class Training:
     # training spec: refused (ValueError, naming the setting to change) when their shapes do not fit spec;
     # a fit that is only a warm start (trained for another plan) is noted with log.warning
     warm_start: Callable[..., dict]
-    # (spec, variables, d) -> `spd_jax.generate`'s options for the quick eval besides the method (the one
-    # that runs this kind: `methods.of_drafter`) and the prompt
+    # (spec, variables, d) -> the quick eval's options of the method that runs this kind (`methods.of_drafter`:
+    # fields of its options object, e.g. n, stage_layers, spec)
     eval_options: Callable[[Any, dict, Any], dict]
     # (spec, tokens, steps, d) -> the quick eval's figures, pooled over its prompts; steps: the method's
     # target steps (`Method.steps`: SPD's cycles, the chain's rounds)
@@ -102,6 +102,8 @@ class DrafterKind:
     # at the newest token and k = 1..n tokens in flight), teacher-forced: what `decode.schedule` replays into
     # the engine's greedy counts (`infer.replay`)
     teacher_drafts: Callable[..., tuple] | None = None
+    # a staged kind: (cfg, config) -> its `SpdDrafter`, what the SPD engine runs (`decode.pipelined`)
+    spd_drafter: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self):
         if self.identity_file not in IDENTITY_FILES:

@@ -390,7 +390,7 @@ KIND = DrafterKind(
     train_fix="train a PPSD head for {model} (python -m train.main with method: ppsd, model: {model}) or use one "
               "trained for it",
     training=TRAINING, missing_hint="; train one with train.main (method: ppsd)", staged=True,
-    teacher_drafts=drafts_by_fill,
+    teacher_drafts=drafts_by_fill, spd_drafter=PPSDDrafter,
     why_random="an untrained PPSD head was asked for (drafter_spec=\"random\"; infer.generate --drafter random, "
                "infer.evaluate --ppsd random)")
 

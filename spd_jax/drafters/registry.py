@@ -1,4 +1,5 @@
-"""The drafters with a network, by name (`KINDS`: the PSM, EAGLE-3 and PPSD), and how a call's `DrafterRef`
+"""The drafters by name: those with a network (`KINDS`: the PSM, EAGLE-3 and PPSD), and what the SPD engine
+can run (`ENGINE_DRAFTERS`: the staged kinds, none, the test oracle); and how a call's `DrafterRef`
 becomes weights to run (`source`, `resolve`), the same way for every kind. Adding a drafter: its own
 module defines a `DrafterKind` (with its `Training`, what train/ asks of it); list it here."""
 
@@ -21,6 +22,14 @@ log = logging.getLogger(__name__)
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (psm.KIND, eagle3.KIND, ppsd.KIND)}
 PSM, EAGLE3, PPSD = psm.KIND, eagle3.KIND, ppsd.KIND
 
+# The SPD engine's drafters by name (a pipelined method's `drafter` option): each staged kind's network
+# (`DrafterKind.spd_drafter`), none (the plain pipeline: one token in flight) and the oracle (tests: it
+# proposes given reference tokens)
+NO_DRAFTER, ORACLE = "none", "oracle"
+ENGINE_DRAFTERS = (*(k.name for k in KINDS.values() if k.staged), NO_DRAFTER, ORACLE)
+
+SLOT = "drafters"  # `model.placements`' slot of the loaded drafters (each kept, on the default device)
+
 _random_noted: set[str] = set()  # kinds whose random-drafter notice this process has given
 
 
@@ -29,6 +38,16 @@ def kind(name: str) -> DrafterKind:
     if name not in KINDS:
         raise ValueError(f"unknown drafter {name!r}: one of {', '.join(KINDS)}")
     return KINDS[name]
+
+
+def engine_drafter(name: str) -> DrafterKind | None:
+    """An SPD engine drafter's name -> its kind (a network), or None ("none", "oracle"); a ValueError for
+    another name."""
+    if name not in ENGINE_DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r} for the pipelined methods: one of {', '.join(ENGINE_DRAFTERS)} "
+                         "(\"oracle\" for tests, with oracle_tokens); EAGLE-3 is not a drafter here but a method: "
+                         "method=\"eagle3\"")
+    return KINDS.get(name)
 
 
 def of_config(config: Any) -> DrafterKind:
@@ -97,22 +116,22 @@ class Resolved(NamedTuple):
 
 
 def keep_placed(model, variables: dict, placed: dict) -> None:
-    """The drafter `resolve` keeps in `model.runtime` as `variables` is kept as `placed` from now on: the same
+    """The drafter `resolve` keeps in `model.placements` as `variables` is kept as `placed` from now on: the same
     values placed on an engine's mesh, so a process holds one copy, not the unplaced one beside it (a
     replicated placement over processes copies through the host; Qwen3.5-4B's PSM is 0.63 GB a process). In
     the layout the engine reads (`SpdDrafter.engine_params`: a PSM's layers one buffer each), so a later
     `resolve` on this model returns that layout: the engine's own calls accept it (`engine_params` leaves it
     as it is); a consumer of the stacked layout (`infer.replay`'s teacher-forced drafts) loads its own model."""
-    for key, value in list(model.runtime.items()):
-        if isinstance(key, tuple) and key[:1] == ("drafter",):
-            if value is variables:
-                model.runtime[key] = placed
-            elif isinstance(value, tuple) and value[-1] is variables:
-                model.runtime[key] = (*value[:-1], placed)
+    kept = model.placements.entries(SLOT)
+    for key, value in list(kept.items()):
+        if value is variables:
+            kept[key] = placed
+        elif isinstance(value, tuple) and value[-1] is variables:
+            kept[key] = (*value[:-1], placed)
 
 
 def resolve(k: DrafterKind, model, ref: Any, plan=None, random_layers: int = 2, method: str = "") -> Resolved:
-    """ref -> the drafter to run, loaded (once per model: `model.runtime` keeps it) and checked against
+    """ref -> the drafter to run, loaded (once per model: `model.placements` keeps it) and checked against
     model and plan. A random one (seed 0: the drafter is a model, not sampling randomness) is announced
     once per process and kind, naming `method` and why."""
     found, why = source(k, model, ref, plan)
@@ -123,18 +142,15 @@ def resolve(k: DrafterKind, model, ref: Any, plan=None, random_layers: int = 2, 
             _random_noted.add(k.name)
             log.warning(f"{method}: {why}; using a randomly initialised {k.noun}. Output is still exactly the "
                         "target's, but few drafts will be accepted.")
-        key = ("drafter", k.name, "random", spec)
-        if key not in model.runtime:
-            model.runtime[key] = k.init(model.config, spec, model.params, 0, model.dtype)
-        return Resolved(spec, model.runtime[key], Form.RANDOM.value)
+        variables = model.placements.get(SLOT, (k.name, "random", spec),
+                                         lambda: k.init(model.config, spec, model.params, 0, model.dtype))
+        return Resolved(spec, variables, Form.RANDOM.value)
     if isinstance(found, DrafterRef):  # given in memory: checked and cast, not kept
         k.check(found.config, model.config, "(given)", counts)
         # the engines mix the drafter's activations with the target's: one dtype, as a loaded one gets
         cast = lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
         return Resolved(found.config, jax.tree.map(cast, found.variables), Form.GIVEN.value)
-    key = ("drafter", k.name, str(Path(found).absolute()), counts)
-    if key not in model.runtime:
-        model.runtime[key] = store.load(k, found, model.config, model.params, model.dtype, plan=counts,
-                                        weights=model.weights_fingerprint, model_name=str(model.path))
-    spec, variables = model.runtime[key]
+    spec, variables = model.placements.get(SLOT, (k.name, str(Path(found).absolute()), counts), lambda: store.load(
+        k, found, model.config, model.params, model.dtype, plan=counts, weights=model.weights_fingerprint,
+        model_name=str(model.path)))
     return Resolved(spec, variables, str(found))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from spd_jax.config import ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
+from spd_jax.drafters.psm.engine import PSMDrafter
 from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
@@ -204,7 +205,7 @@ KIND = DrafterKind(
     params=lambda cfg, spec: param_count(_init_boxed, cfg, spec, bool(spec.draft_vocab or spec.own_head)),
     flag="--spec", train_fix="train a PSM for {model} (python -m train.main with model: {model}) or use one trained for it",
     training=TRAINING, missing_hint="; train one with train.main", staged=True, random_flag="--random-psm",
-    teacher_drafts=drafts_by_fill,
+    teacher_drafts=drafts_by_fill, spd_drafter=PSMDrafter,
     why_random="an untrained PSM was asked for (spec=\"random\", --random-psm)")
 
 
