@@ -10,8 +10,6 @@ a plain [H, 8H] matmul at 1 and 9 rows for comparison."""
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +18,7 @@ import spd_jax
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 from spd_jax.models.costs import psm_costs
 from spd_jax.costs.cycle import default_plan
-
-
-def _median_ms(fn, *args, iters: int = 30) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+from spd_jax.costs.profile import median_ms
 
 
 def main(argv=None) -> int:
@@ -53,12 +42,12 @@ def main(argv=None) -> int:
         nbytes = jnp.dtype(model.dtype).itemsize
         parts = psm_costs(cfg, spec.num_layers, spec.m, 0, rows, pos, nbytes, nbytes)[:-1]  # without the head
         print(f"| {rows} | {sum(c.flops for c in parts) / 1e9:.3f} | {sum(c.bytes for c in parts) / 1e6:.1f} | "
-              f"{_median_ms(body, variables, cache, h):.2f} |")
+              f"{median_ms(body, variables, cache, h):.2f} |")
     W = jnp.ones((cfg.hidden_size, 8 * cfg.hidden_size), model.dtype)
     for rows in (1, 9):
         x = jnp.ones((rows, cfg.hidden_size), model.dtype)
         print(f"matmul [{rows}, {cfg.hidden_size}] x [{cfg.hidden_size}, {8 * cfg.hidden_size}] "
-              f"({W.size * W.dtype.itemsize / 1e6:.1f} MB): {_median_ms(jax.jit(lambda x, W: x @ W), x, W):.2f} ms")
+              f"({W.size * W.dtype.itemsize / 1e6:.1f} MB): {median_ms(jax.jit(lambda x, W: x @ W), x, W):.2f} ms")
     return 0
 
 

@@ -30,7 +30,8 @@ from spd_jax.sharding import STAGE, stage_mesh
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
 
 
-def _median_ms(fn, *args, iters: int) -> float:
+def median_ms(fn, *args, iters: int = 30) -> float:
+    """The median wall time of fn(*args) in ms over `iters` calls, after one call that compiles and warms."""
     jax.block_until_ready(fn(*args))  # compile + warm
     ts = []
     for _ in range(iters):
@@ -54,7 +55,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def one_stage(w, c, p, x):
         return stages.stage_forward(w, c, p, x, pos, cfg, layout)[0]
 
-    stage_ms = [_median_ms(one_stage, *(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)), x,
+    stage_ms = [median_ms(one_stage, *(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)), x,
                            iters=iters) for s in range(n)]
 
     # the PSM as the engine runs it (`PSMDrafter`: its layers and cache one buffer each)
@@ -68,7 +69,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def psm_body(v, c, h):  # a full pipeline: n tokens in flight, the block starts at the oldest
         return module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, method=PSM.draft_hidden)[0]
 
-    psm_ms = _median_ms(psm_body, psm_vars, pcache, h, iters=iters)
+    psm_ms = median_ms(psm_body, psm_vars, pcache, h, iters=iters)
     # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows
     rows = -(-cfg.vocab_size // n)
 
@@ -76,14 +77,14 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def psm_head(v, x):
         return jnp.argmax(module.apply(v, x, model.params["final_norm"], 0, rows, method=PSM.head_logits))
 
-    psm_head_ms = _median_ms(psm_head, psm_vars, x[0, 0], iters=iters)
+    psm_head_ms = median_ms(psm_head, psm_vars, x[0, 0], iters=iters)
 
     @jax.jit
     def verify(params, x):
         head = decoder.lm_head(params, cfg)
         return jnp.argmax(decoder.head_logits(x, params["final_norm"], head, cfg, 0, rows))
 
-    verify_ms = _median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
+    verify_ms = median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
     # one AR step of the whole model, as decode.ar runs it: per-layer weights, the whole head, the argmax
     # (the caches are not returned, so their one-slot write is left out; their reads are timed)
@@ -95,7 +96,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     def ar_step(layers, head, caches, tok):
         return jnp.argmax(decoder.decode_step(layers, head, tok, caches, pos, cfg)[0][0, 0])
 
-    ar_step_ms = _median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
+    ar_step_ms = median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
 
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
                 verify_ms=verify_ms, ar_step_ms=ar_step_ms,
@@ -130,7 +131,7 @@ def _comm_ms(n: int, m: int, H: int, dtype, iters: int) -> float:
     st = NamedSharding(mesh, P(STAGE))
     xs = jax.device_put(jnp.zeros((n, 1, H), dtype), st)
     tables = jax.device_put(jnp.zeros((n * m, H), dtype), st)  # each stage's [m, H] anchor states
-    return _median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
+    return median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
 
 # ---------------------------------------------------------------- what a compiled loop communicates
