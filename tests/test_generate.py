@@ -170,3 +170,27 @@ def test_live_block_attention_and_bf16_weights_compute_the_same_step(tiny):
     bf16 = _decode_logits(tiny, tokens, bf16_layers, api.cast_matrices(tiny.params, "bfloat16"))
     assert_close(bf16, full, BF16_VS_FP32, depth=cfg.num_layers, what="bf16 weights")
     assert np.abs(bf16 - full).max() > 0  # the bf16 dots really ran
+
+
+def test_an_attention_layer_with_some_queries_gives_those_rows_of_all(tiny):
+    """`query` (a drafter's last layer, whose newest row alone goes on): the chosen rows' outputs are those
+    rows of the layer run on every row, and every row's key and value is still written."""
+    from spd_jax.models.kinds import FULL_ATTENTION
+    from spd_jax.models.layers import rope_cos_sin
+
+    tiny, _ = tiny
+    cfg = tiny.config
+    lp = jax.tree.map(lambda w: w[0], tiny.params["layers"][FULL_ATTENTION.name])
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((1, 6, cfg.hidden_size)), jnp.float32)
+    cache = jax.tree.map(lambda t: t[0], FULL_ATTENTION.init_cache(cfg, 1, 1, 32, 1, jnp.float32))
+    cache = cache._replace(k=jnp.asarray(rng.standard_normal(cache.k.shape), jnp.float32),
+                           v=jnp.asarray(rng.standard_normal(cache.v.shape), jnp.float32))
+    pos = jnp.int32(9)
+    cos, sin = rope_cos_sin(cfg, pos + jnp.arange(6))
+    every, c_every = FULL_ATTENTION.block(lp, x, cache, pos, cos, sin, cfg)
+    for rows in ([5], [0, 3]):
+        some, c_some = FULL_ATTENTION.block(lp, x, cache, pos, cos, sin, cfg, query=jnp.asarray(rows))
+        assert some.shape == (1, len(rows), cfg.hidden_size)
+        assert_close(some, every[:, rows], CACHED_VS_FULL, what=f"queries {rows}")
+        assert_close(c_some.k, c_every.k, ELEMENTWISE, what="keys written")

@@ -210,17 +210,21 @@ def init_layer_caches(cfg: ModelConfig, num_layers: int, cache_len: int, dtype, 
 
 
 def run_attention_layers(layers: dict, x: jax.Array, cache, pos: jax.Array, cfg: ModelConfig,
-                         length: jax.Array | None = None):
+                         length: jax.Array | None = None, last_query: jax.Array | None = None):
     """x [B, T, H] at positions [pos, pos+T) through the layers over their cache -> (x, cache with the rows
-    written), in either layout (the cache's matches the layers')."""
-    if isinstance(cache, KVCache):  # stacked: one scan
+    written), in either layout (the cache's matches the layers'). With `last_query` ([Tq] indices into the
+    T rows) the last layer runs those rows' queries only (x out [B, Tq, H]), every row still giving its
+    keys and values: what a draft that reads one row leaves of the last layer's work."""
+    stacked = isinstance(cache, KVCache)
+    if stacked and last_query is None:  # one scan
         name = FULL_ATTENTION.name
         x, c, _ = decoder.run_layers({name: layers}, x, decoder.cache_of(name, cache), pos, cfg,
                                      (name,) * cache.k.shape[0], length=length)
         return x, decoder.kind_cache(c, name)
+    n = cache.k.shape[0] if stacked else len(cache)
+    caches = [FULL_ATTENTION.layer_cache(cache, i) for i in range(n)] if stacked else list(cache)
     cos, sin = rope_cos_sin(cfg, pos + jnp.arange(x.shape[1]))
-    out = []
-    for i, c in enumerate(cache):
-        x, c = FULL_ATTENTION.block({k: v[i] for k, v in layers.items()}, x, c, pos, cos, sin, cfg)
-        out.append(c)
-    return x, tuple(out)
+    for i in range(n):
+        x, caches[i] = FULL_ATTENTION.block({k: v[i] for k, v in layers.items()}, x, caches[i], pos, cos, sin, cfg,
+                                            query=last_query if i == n - 1 else None)
+    return x, KVCache(*(jnp.stack(t) for t in zip(*caches))) if stacked else tuple(caches)

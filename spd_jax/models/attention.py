@@ -81,19 +81,24 @@ def output_projection(lp: dict, o: jax.Array, x: jax.Array, cfg: ModelConfig) ->
 
 
 def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-              cos: jax.Array, sin: jax.Array, cfg: ModelConfig):
+              cos: jax.Array, sin: jax.Array, cfg: ModelConfig, query: jax.Array | None = None):
     """T new tokens at positions [pos, pos+T) over the cached positions [0, pos).
 
     x [B, T, H] (normed); k_cache/v_cache [B, Nkv, S, D], read only (entries >= pos are ignored).
     Returns (out [B, T, H], k_new [B, Nkv, T, D], v_new [B, Nkv, T, D]); the caller writes k_new/v_new
     into the cache. Keeping the cache read-only here lets a layer scan leave it in place instead of
-    threading (and copying) it through the loop carry.
+    threading (and copying) it through the loop carry. With `query` ([Tq] indices into the T tokens) only
+    those tokens query (out [B, Tq, H]); every token still gives its key and value: a drafter whose last
+    layer only its newest row leaves pays that layer's scores, output projection and MLP for one row.
     """
     B, T, _ = x.shape
     S = k_cache.shape[2]
     q, k, v = project_qkv(lp, x, cos, sin, cfg)
     k = k.astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, Nkv, T, D]
     v = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+    at = jnp.arange(T) if query is None else query  # [Tq] the querying tokens' indices
+    if query is not None:
+        q, x = q[:, query], x[:, query]
 
     # Two key blocks, cached [0, pos) and new [pos, pos+T), under one softmax.
     qg = group_queries(q, cfg)
@@ -103,10 +108,10 @@ def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     # XLA would otherwise constant-fold the masked [B, Nkv, G, T, S] block and its max element by
     # element, which takes seconds to minutes at compile time for long prompts.
     s_old = jnp.where(jax.lax.optimization_barrier(jnp.arange(S) < pos), s_old, -jnp.inf)
-    s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
+    s_new = jnp.where(at[:, None] >= jnp.arange(T), s_new, -jnp.inf)
     p_old, p_new = softmax_blocks([s_old, s_new])
     # The values' product keeps the cache's head-major order in its output ([B, Nkv, G, T, D]) and the small
     # result is transposed after: asked for [B, T, ...] directly, XLA:CPU transposes the whole value cache first.
     o = (jnp.einsum("bkgts,bksd->bkgtd", p_old.astype(v.dtype), v_cache)
          + jnp.einsum("bkgts,bksd->bkgtd", p_new.astype(v.dtype), v)).transpose(0, 3, 1, 2, 4)
-    return output_projection(lp, o.reshape(B, T, cfg.q_size), x, cfg), k, v
+    return output_projection(lp, o.reshape(B, at.shape[0], cfg.q_size), x, cfg), k, v

@@ -43,15 +43,22 @@ def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
 
 
 def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 2, cache_bytes: int = 2,
-              rows: int = 1) -> LayerCost:
+              rows: int = 1, query_rows: int | None = None) -> LayerCost:
     """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights
     and the cache are read once for the block (what a decode step or the PSM's per-cycle block does);
-    FLOPs scale with the rows. Parameter counts and projection FLOPs come from the weight schema; the
-    mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`, `.state_bytes`)."""
+    FLOPs scale with the rows. With `query_rows` (< rows) only that many run the layer past their keys and
+    values (a drafter's last layer, whose newest row alone goes on; `attention.attention`'s `query`): the
+    rest pay the kind's `key_value_leaves` only. Parameter counts and projection FLOPs come from the weight
+    schema; the mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`, `.state_bytes`)."""
     k = KINDS[kind]
     leaves = k.schema(cfg)
-    params, flops = schema.param_count(leaves), 2 * _matmul_params(leaves) + k.context_flops(cfg, context_len)
-    return LayerCost(kind, params, rows * flops, params * param_bytes, k.state_bytes(cfg, context_len, cache_bytes))
+    q = rows if query_rows is None else query_rows
+    if q != rows and not k.key_value_leaves:
+        raise ValueError(f"a {kind} layer runs every row it is given (query_rows {q} of {rows})")
+    kv = 2 * _matmul_params({name: leaves[name] for name in k.key_value_leaves})
+    full = 2 * _matmul_params(leaves) + k.context_flops(cfg, context_len)
+    return LayerCost(kind, schema.param_count(leaves), rows * kv + q * (full - kv), schema.param_count(leaves) * param_bytes,
+                     k.state_bytes(cfg, context_len, cache_bytes))
 
 
 def layer_costs(cfg: ModelConfig, context_len: int, param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
@@ -85,7 +92,8 @@ def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: 
     - projections: the m aggregation types W_a [(a+1) H, H], each applied to every one of the `rows`
       anchor rows [rows, m, H] (the PSM projects every type, then selects by row type);
     - Ls full-attention layers of the target's kind over the `rows`-row block (n + 1 rows per cycle with
-      a full pipeline), weights and its own KV cache (about `context_len` completed rows) read once;
+      a full pipeline), weights and its own KV cache (about `context_len` completed rows) read once; the
+      last layer's queries, output projection and MLP on the newest row only (what the draft reads);
     - the head on the newest row only: V' = `draft_vocab` rows (0: the target's V), and the target's
       final norm, which is shared, so read but not counted in the PSM's params.
     The rows' embedding gathers (rows x H) are left out: negligible next to the rest."""
@@ -94,7 +102,8 @@ def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: 
     proj = LayerCost("psm_proj", proj_params, 2 * rows * proj_params, proj_params * param_bytes,
                      rows * m * H * cache_bytes)
     layer = kind_cost(cfg, FULL_ATTENTION.name, context_len, param_bytes, cache_bytes, rows)
-    layers = [dataclasses.replace(layer, kind="psm_layer")] * num_layers
+    last = kind_cost(cfg, FULL_ATTENTION.name, context_len, param_bytes, cache_bytes, rows, query_rows=1)
+    layers = [dataclasses.replace(c, kind="psm_layer") for c in [layer] * (num_layers - 1) + [last]]
     head = head_cost(cfg, param_bytes, draft_vocab or cfg.vocab_size)
     head = dataclasses.replace(head, kind="psm_head", params=head.params - H)  # the norm is the target's
     return [proj, *layers, head]

@@ -31,7 +31,7 @@ from spd_jax.models.attention import (KVCache, attention, group_queries, init_kv
                                       project_qkv, softmax_blocks)
 from spd_jax.models.deltanet import (LinearState, gated_deltanet, init_linear_state, read_slot, write_slot,
                                      write_slots)
-from spd_jax.models.layers import residual_block
+from spd_jax.models.layers import residual_block, rms_norm
 
 
 def after(t: jax.Array, x: jax.Array) -> jax.Array:
@@ -53,6 +53,9 @@ class LayerKind:
     """One layer kind. Subclasses implement its mixer; the residual block around it is `layers.residual_block`."""
 
     name: str
+    # the weight leaves every token of a block runs where only some query on (`attention.attention`'s `query`):
+    # none but attention's, whose non-querying tokens still give their keys and values
+    key_value_leaves: tuple[str, ...] = ()
     # logical axes whose split by tensor parallelism splits the mixer's context (or state) work, and its cache:
     # (the heads' axes, the cache's axes); a split needs every axis of a group split
     tp_mixer_axes: tuple[tuple[str, ...], tuple[str, ...]]
@@ -77,6 +80,7 @@ class Attention(LayerKind):
 
     name = ATTENTION
     tp_mixer_axes = (("q_heads",), ("kv_heads",))
+    key_value_leaves = ("wk", "wv")
 
     def init_cache(self, cfg: ModelConfig, n_layers: int, batch: int, max_len: int, ring: int, dtype) -> KVCache:
         return init_kv_cache(cfg, n_layers, batch, max_len, dtype)
@@ -118,11 +122,18 @@ class Attention(LayerKind):
     def state_bytes(self, cfg: ModelConfig, context_len: int, cache_bytes: int) -> int:
         return 2 * cfg.kv_size * context_len * cache_bytes
 
-    def layer(self, lp, x, k_c, v_c, pos, cos, sin, cfg):
+    def layer(self, lp, x, k_c, v_c, pos, cos, sin, cfg, query=None):
         """The layer over T tokens at [pos, pos+T): x [B, T, H], k_c/v_c [B, Nkv, S, D] read only -> (x, (k_new,
-        v_new) [B, Nkv, T, D]), which the caller writes."""
-        return residual_block(lp, x, lambda h: (lambda o, k, v: (o, (k, v)))(
-            *attention(lp, h, k_c, v_c, pos, cos, sin, cfg)), cfg)
+        v_new) [B, Nkv, T, D]), which the caller writes. With `query` ([Tq] indices), x out is theirs only
+        ([B, Tq, H]; `attention.attention`)."""
+        def mixer(h):
+            o, k, v = attention(lp, h, k_c, v_c, pos, cos, sin, cfg, query)
+            return o, (k, v)
+
+        if query is None:
+            return residual_block(lp, x, mixer, cfg)
+        return residual_block(lp, x[:, query], mixer, cfg,
+                              mixer_input=rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset))
 
     def scan_run(self, lp, x, a: int, n: int, pos, cos, sin, cfg, collect_hidden: bool, run: Run, length=None,
                  every_state: bool = False):
@@ -146,11 +157,11 @@ class Attention(LayerKind):
     def end(self, run: Run, pos, T: int, length=None, every_state: bool = False) -> KVCache:
         return run.cache
 
-    def block(self, lp, x, cache: KVCache, pos, cos, sin, cfg, length=None):
+    def block(self, lp, x, cache: KVCache, pos, cos, sin, cfg, length=None, query=None):
         """The layer on its own buffers (weights without a layer axis, k/v [B, Nkv, S, D]): x [B, T, H] at
         [pos, pos+T) -> (x, cache with the T keys and values written in place). A stage or a drafter running
-        its layers one buffer each reads every weight and cache entry once."""
-        x, (k_new, v_new) = self.layer(lp, x, cache.k, cache.v, pos, cos, sin, cfg)
+        its layers one buffer each reads every weight and cache entry once. `query`: as in `layer`."""
+        x, (k_new, v_new) = self.layer(lp, x, cache.k, cache.v, pos, cos, sin, cfg, query)
         return x, KVCache(jax.lax.dynamic_update_slice(cache.k, after(k_new, x), (0, 0, pos, 0)),
                           jax.lax.dynamic_update_slice(cache.v, after(v_new, x), (0, 0, pos, 0)))
 

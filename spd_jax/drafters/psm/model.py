@@ -178,10 +178,12 @@ class PSM(DraftHead, nn.Module):
         """h [..., m, H] anchor states; types [...] -> rows [..., H]."""
         return _select(self.project_all(h), types)
 
-    def forward(self, rows: jax.Array, cache: KVCache, pos: jax.Array, length: jax.Array | None = None):
-        """rows [B, T, H] at positions [pos, pos+T) over the PSM's own cache -> (hidden [B, T, H], cache)."""
+    def forward(self, rows: jax.Array, cache: KVCache, pos: jax.Array, length: jax.Array | None = None,
+                last_query: jax.Array | None = None):
+        """rows [B, T, H] at positions [pos, pos+T) over the PSM's own cache -> (hidden [B, T, H], cache);
+        with `last_query` [Tq] the hidden states of those rows only, [B, Tq, H] (`run_attention_layers`)."""
         return run_attention_layers(self.layers, rows.astype(self.lm_head.dtype), cache, pos,
-                                    layer_config(self.cfg, self.spec), length)
+                                    layer_config(self.cfg, self.spec), length, last_query)
 
     def head_logits(self, x: jax.Array, final_norm: jax.Array, start: jax.Array | int = 0,
                     rows: int | None = None) -> jax.Array:
@@ -213,8 +215,8 @@ class PSM(DraftHead, nn.Module):
         The engine applies the head itself, one vocabulary shard per device (`decode.vocab`)."""
         pos = pc + jnp.arange(h.shape[0])
         rows = self.rows(h, row_types(self.spec, t - pos, pos < completed))
-        x, cache = self.forward(rows[None], cache, pc)
-        return x[0, t - pc], cache
+        x, cache = self.forward(rows[None], cache, pc, last_query=(t - pc)[None])
+        return x[0, 0], cache
 
     def train_hidden(self, h: jax.Array, blocks: Sequence[tuple[jax.Array, Any, int]]) -> list[jax.Array]:
         """The training forward up to the head: h [B, T, m, H] teacher-forced anchor states; blocks
