@@ -15,7 +15,9 @@ Parts, each compiled for one token at a cache of --context positions (the cache 
   psm head shard the same over the PSM's head
 and the cycle (every stage, the PSM body, both heads' shards on every device) summed. XLA counts the bytes
 of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
-model counts weights and caches read once. Where they part (on XLA:CPU) is said per row. "XLA temp MB": each
+model counts weights and caches read once, and attention's float32 scores four times (`LayerKind.scores_bytes`:
+written, read by the softmax, written as probabilities, read; XLA:CPU passes over them about eight times, its
+transposes and reductions apart). Other activations are left out. Where they part (on XLA:CPU) is said per row. "XLA temp MB": each
 program's temporary buffer (`memory_analysis()`), allocated beside its arguments while it runs.
 """
 

@@ -24,7 +24,7 @@ class LayerCost:
     params: int  # weights of this layer (norms included)
     flops: int  # per decoded token (multiply-add = 2)
     weight_bytes: int  # weights read per decoded token
-    state_bytes: int  # cache/state read (+ written) per decoded token at the given context length
+    state_bytes: int  # cache/state read (+ written), and attention's scores, per decoded token at the given context length
 
     @property
     def bytes(self) -> int:
@@ -44,12 +44,13 @@ def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
 
 def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 2, cache_bytes: int = 2,
               rows: int = 1, query_rows: int | None = None) -> LayerCost:
-    """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights
-    and the cache are read once for the block (what a decode step or the PSM's per-cycle block does);
-    FLOPs scale with the rows. With `query_rows` (< rows) only that many run the layer past their keys and
-    values (a drafter's last layer, whose newest row alone goes on; `attention.attention`'s `query`): the
-    rest pay the kind's `key_value_leaves` only. Parameter counts and projection FLOPs come from the weight
-    schema; the mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`, `.state_bytes`)."""
+    """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights and the cache
+    are read once for the block (what a decode step or the PSM's per-cycle block does); FLOPs and the scores
+    (`LayerKind.scores_bytes`) scale with the rows. With `query_rows` (< rows) only that many run the layer past
+    their keys and values (a drafter's last layer, whose newest row alone goes on; `attention.attention`'s
+    `query`): the rest pay the kind's `key_value_leaves` only. Parameter counts and projection FLOPs come from
+    the weight schema; the mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`,
+    `.state_bytes`)."""
     k = KINDS[kind]
     leaves = k.schema(cfg)
     q = rows if query_rows is None else query_rows
@@ -58,7 +59,7 @@ def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 
     kv = 2 * _matmul_params({name: leaves[name] for name in k.key_value_leaves})
     full = 2 * _matmul_params(leaves) + k.context_flops(cfg, context_len)
     return LayerCost(kind, schema.param_count(leaves), rows * kv + q * (full - kv), schema.param_count(leaves) * param_bytes,
-                     k.state_bytes(cfg, context_len, cache_bytes))
+                     k.state_bytes(cfg, context_len, cache_bytes) + k.scores_bytes(cfg, context_len, q))
 
 
 def layer_costs(cfg: ModelConfig, context_len: int, param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:

@@ -12,7 +12,7 @@ the library that runs, places, counts or rewinds layers asks the kind, never whi
 - rollback: an attention cache rewinds for free (entries past the position are masked); a Gated DeltaNet
   ring restores the state of k tokens ago by position (`deltanet`); `align_rows` moves per-row prefilled
   caches into one batch whose prompts end at the same slot;
-- cost: `context_flops` and `state_bytes` per decoded token (`models.costs.kind_cost` adds the weights'),
+- cost: `context_flops`, `state_bytes` and `scores_bytes` per decoded token (`models.costs.kind_cost` adds the weights'),
   and `tp_mixer_axes`, the logical axes whose split splits the mixer's context work and its cache.
 
 A new kind: a subclass here, its leaves in `models.schema`, an entry in `KINDS`.
@@ -73,6 +73,10 @@ class LayerKind:
         """One layer's weights (no layer axis) as `step` reads them fastest (`decoder.decode_layers`)."""
         return lp
 
+    def scores_bytes(self, cfg: ModelConfig, context_len: int, rows: int) -> int:
+        """Intermediate bytes of `rows` querying tokens that grow with the context (none but attention's)."""
+        return 0
+
 
 class Attention(LayerKind):
     """Full (softmax) attention over a static KV cache (`models.attention`). Rollback is free: entries at
@@ -121,6 +125,13 @@ class Attention(LayerKind):
 
     def state_bytes(self, cfg: ModelConfig, context_len: int, cache_bytes: int) -> int:
         return 2 * cfg.kv_size * context_len * cache_bytes
+
+    def scores_bytes(self, cfg: ModelConfig, context_len: int, rows: int) -> int:
+        """The float32 scores [Nq, rows, context] of `rows` querying tokens, which an unfused attention (this
+        library's, on every backend) passes through memory four times: written by the keys' product, read by
+        the softmax, written as probabilities, read by the values' product. Next to the cache they matter only
+        for many rows over few KV heads (SmolLM2's PSM block: 9 rows, 9 query heads over 3 KV heads)."""
+        return 4 * rows * cfg.num_heads * context_len * 4
 
     def layer(self, lp, x, k_c, v_c, pos, cos, sin, cfg, query=None):
         """The layer over T tokens at [pos, pos+T): x [B, T, H], k_c/v_c [B, Nkv, S, D] read only -> (x, (k_new,
