@@ -1,6 +1,6 @@
 """Cost of one SPD cycle against one autoregressive step, side by side on the same backend and model.
 
-    python -m bench.spd_cycle [--model smollm2-135m-instruct] [--n 8] [--new-tokens 64] [--repeats 3]
+    python -m bench.spd_cycle [--model smollm2-135m-instruct] [--n 8] [--new-tokens 64] [--repeats 3] [--stages 4,4,..]
 
 Measures, in one run:
   ar_step_ms      the on-device AR decode loop's time per token (spd_jax.generate, method="ar")
@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--psm-layers", type=int, default=None,
                     help="run and profile a random PSM of this many layers (default: the default PSM, the shipped "
                          "one where there is one, and its layer count)")
+    ap.add_argument("--stages", default=None,
+                    help="per-stage layer counts, comma-separated (e.g. the device-aware plan this report prints); a "
+                         "random PSM drafts (the shipped one is tied to the default plan), of --psm-layers layers (2)")
     ap.add_argument("--alpha-S0", default="1.5",
                     help="S0 = alpha * L / max(stage layers) for the projections, or 'measured' (this run's)")
     ap.add_argument("--project-context", type=int, default=1024,
@@ -72,7 +75,11 @@ def main(argv=None) -> int:
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
     # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
-    opts = dict(n=args.n) | (dict(spec="random", psm_layers=args.psm_layers) if args.psm_layers else {})
+    stage_layers = tuple(int(c) for c in args.stages.split(",")) if args.stages else None
+    if stage_layers and not args.psm_layers:
+        args.psm_layers = 2
+    opts = (dict(n=args.n, stage_layers=stage_layers)
+            | (dict(spec="random", psm_layers=args.psm_layers) if args.psm_layers else {}))
     spd_m, pipe_m = methods.SPD(**opts), methods.Pipeline(**opts)
 
     def ar_step():
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
         spd.append(cycle(spd_m)[0])
         pipe.append(cycle(pipe_m)[0])
     _, spd_stats = cycle(spd_m)
-    plan = plan_for(model, args.n)  # the engine's default, what spd ran above
+    plan = plan_for(model, args.n, stage_layers)  # what spd ran above: the engine's default, or --stages
     psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != Form.RANDOM.value else 2)
     prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
