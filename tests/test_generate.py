@@ -194,3 +194,27 @@ def test_an_attention_layer_with_some_queries_gives_those_rows_of_all(tiny):
         assert some.shape == (1, len(rows), cfg.hidden_size)
         assert_close(some, every[:, rows], CACHED_VS_FULL, what=f"queries {rows}")
         assert_close(c_some.k, c_every.k, ELEMENTWISE, what="keys written")
+
+
+@pytest.mark.parametrize("rows, w_contract", [(1, 0), (3, 0), (1, 1), (3, 1)])
+def test_a_low_precision_dot_differentiates_with_its_cotangent_in_the_weights_dtype(rows, w_contract):
+    """`layers.low_precision_dot`'s gradient (its own rule: the float32 cotangent rounded to the weight's dtype,
+    so XLA:CPU never converts the weight to float32) is the float32 gradient up to bf16 rounding, and its
+    inputs' dtypes; a wrong transpose (an axis swapped, a missing term) is off by order 1."""
+    from spd_jax.models.layers import low_precision_dot
+
+    rng = np.random.default_rng(rows + 2 * w_contract)
+    x = jnp.asarray(rng.standard_normal((rows, 48)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((48, 40) if w_contract == 0 else (40, 48)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((rows, 40)), jnp.float32)
+
+    def loss(x, w, dot):
+        return jnp.sum(dot(x, w) * c)
+
+    plain = lambda x, w: jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32),  # noqa: E731
+                                             (((1,), (w_contract,)), ((), ())))
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w, lambda x, w: low_precision_dot(x, w, w_contract))
+    rx, rw = jax.grad(loss, argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32), plain)
+    assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    assert_close(gx, rx, BF16_VS_FP32, what="dx")
+    assert_close(gw, rw, BF16_VS_FP32, what="dw")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,14 +36,45 @@ def low_precision_dot(x: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
     activation has two rows or more. With one row (batch-1 decode: every stage step, every head shard) it
     converts the whole weight to float32 first: a temporary of twice the weight's bytes per dot and about 9x
     the time (a [2560, 9216] weight: 35 ms against 3.8 ms; docs/scale.md). So on CPU one row is padded to
-    two; other backends run the dot as it is."""
+    two; other backends run the dot as it is.
+
+    Its gradient takes the float32 cotangent in w's dtype into both products (accumulated in float32, as
+    forward): the plain transpose would multiply a float32 cotangent by w, which XLA:CPU does by converting the
+    whole weight to float32 (2.5 GB for a Qwen3.5-4B head in a training step), and mixed-precision training
+    rounds the cotangent so anyway."""
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    x2 = x.reshape(rows, x.shape[-1])
+    y = _low_precision_dot_2d(x.reshape(rows, x.shape[-1]), w, w_contract)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _padded_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    """dot_general(a, b, dims) -> float32, a's single row padded to two on CPU (`low_precision_dot`)."""
+    rows = a.shape[0]
     if rows == 1 and jax.default_backend() == "cpu":
-        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
-    y = jax.lax.dot_general(x2, w, (((1,), (w_contract,)), ((), ())), preferred_element_type=jnp.float32)
-    return y[:rows].reshape(*lead, y.shape[-1])
+        a = jnp.concatenate([a, jnp.zeros_like(a)])
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)[:rows]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _low_precision_dot_2d(x: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+    """x [R, K] (w's dtype) against w ([K, N] or [N, K]) -> float32 [R, N]."""
+    return _padded_dot(x, w, (((1,), (w_contract,)), ((), ())))
+
+
+def _low_precision_dot_fwd(x, w, w_contract):
+    return _low_precision_dot_2d(x, w, w_contract), (x, w)
+
+
+def _low_precision_dot_bwd(w_contract, res, g):
+    x, w = res
+    g = g.astype(w.dtype)  # [R, N]
+    dx = _padded_dot(g, w, (((1,), (1 - w_contract,)), ((), ())))  # [R, K]
+    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [K, N]
+    return dx.astype(x.dtype), (dw if w_contract == 0 else dw.T).astype(w.dtype)
+
+
+_low_precision_dot_2d.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
