@@ -218,4 +218,8 @@ def init_state(model, spec: Spec, tc: TrainConfig, opt, vocab_ids=None, warm: di
         # embedding, where tied), which the step also reads
         variables["params"]["lm_head"] = jnp.array(variables["params"]["lm_head"], copy=True)
     trainable, frozen = split_params(variables, kind.training.trains_head(spec))
+    # the frozen variables (the target's head) in the compute dtype, as the loss reads them: in float32 beside a
+    # bf16 target the head would be a second copy at twice its size, converted again every step (3.8 GB at 4B)
+    cd = compute_dtype(tc)
+    frozen = jax.tree.map(lambda p: p.astype(cd) if jnp.issubdtype(p.dtype, jnp.floating) else p, frozen)
     return dict(params=trainable, opt=opt.init(trainable), step=jnp.int32(0)), frozen

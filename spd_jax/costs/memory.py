@@ -164,14 +164,14 @@ def ar_device_bytes(cfg: ModelConfig, cache_len: int, param_bytes: int = 2) -> D
 def train_device_bytes(cfg: ModelConfig, spec: "PSMConfig", model_devices: int, compute_bytes: int = 4) -> DeviceBytes:
     """One device of a PSM training step on a data x `model_devices` mesh: the frozen target in the compute
     dtype split over `model`; the PSM's trained weights, their gradient and AdamW's two moments (float32,
-    replicated); its frozen head (float32, split over `model` without a draft vocabulary). No caches;
+    replicated); its frozen head (the compute dtype, split over `model` without a draft vocabulary). No caches;
     activations not counted."""
     mesh = AbstractMesh((1, model_devices), ("data", MODEL))
     layers, heads = _layers_sharded(cfg, TRAIN_RULES, mesh)
     V = spec.draft_vocab or cfg.vocab_size
     head_rows = V if spec.draft_vocab else -(-V // model_devices)
     return DeviceBytes(layers * compute_bytes, heads * compute_bytes,
-                       4 * 4 * drafter_params(cfg, spec) + 4 * head_rows * cfg.hidden_size, 0, 0, 0)
+                       4 * 4 * drafter_params(cfg, spec) + compute_bytes * head_rows * cfg.hidden_size, 0, 0, 0)
 
 
 def memory_table(names: list[str], ns: list[int], contexts: list[int], param_bytes: int = 2) -> list[dict]:
