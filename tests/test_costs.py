@@ -396,3 +396,30 @@ def test_sampled_cycle_collectives():
     assert cyc.collectives(dv)[-1] == ("all_reduce", cfg.hidden_size * 2, "heads")
     links = dataclasses.replace(_PLAIN, link_latency_s=1e-3)
     assert cyc.comm_s(cc, links, sampled=True) == pytest.approx(10e-3)
+
+
+def test_a_layer_with_fewer_querying_rows_and_its_scores():
+    """`kind_cost(query_rows=q)`: every row runs the kind's q/k/v projections (`every_row_leaves`), q rows the
+    rest; the scores (float32 [Nq, q, context], four passes) grow with the querying rows; tensor parallelism
+    splits the scores with the query heads and the cache with the KV heads (`baselines.tp_state_share`)."""
+    from spd_jax.models.costs import kind_cost
+    from spd_jax.models.kinds import FULL_ATTENTION, KINDS
+
+    cfg = ModelConfig.named("qwen3.5-4b")
+    one, nine = (kind_cost(cfg, ATTENTION, 1024, 2, 2, rows) for rows in (1, 9))
+    last = kind_cost(cfg, ATTENTION, 1024, 2, 2, 9, query_rows=1)
+    leaves = FULL_ATTENTION.schema(cfg)
+    every = 2 * sum(int(np.prod(leaves[k].shape)) for k in ("wq", "wk", "wv"))
+    assert nine.flops == 9 * one.flops and last.flops == 9 * every + (one.flops - every)
+    scores = 4 * cfg.num_heads * 1024 * 4
+    assert nine.state_bytes - one.state_bytes == 8 * scores and last.state_bytes == one.state_bytes
+    assert last.weight_bytes == nine.weight_bytes == one.weight_bytes
+    with pytest.raises(ValueError, match="query_rows"):
+        kind_cost(cfg, LINEAR, 1024, 2, 2, 9, query_rows=1)  # Gated DeltaNet runs every row it is given
+    with pytest.raises(ValueError, match="query_rows"):
+        kind_cost(cfg, ATTENTION, 1024, 2, 2, 3, query_rows=4)
+    # Qwen3.5-4B at tp 8: 16 query heads split, 4 KV heads do not (8 does not divide them)
+    cache = KINDS[ATTENTION].state_bytes(cfg, 1024, 2)
+    share, _ = base.tp_layer_cost(cfg, ATTENTION, 1024, 8, 2, 2)
+    assert base.tp_mixer_split(cfg, ATTENTION, 8) == (True, False)
+    assert share.state_bytes == cache + scores // 8

@@ -59,12 +59,28 @@ def tp_layer_cost(cfg: ModelConfig, kind: str, context: int, n: int, param_bytes
         if len(leaf.shape) == 2 and "conv_kernel" not in leaf.axes:  # a matmul operand
             full_mm, mm_flops = full_mm + 2 * size, mm_flops + 2 * size / (n if MODEL in split else 1)
             all_reduces += split[0] == MODEL
-    # the mixer's heads and its cache split where every axis of the kind's group is split (`tp_mixer_axes`:
-    # attention's query and KV heads; Gated DeltaNet's conv channels by key-head group and its value heads)
-    heads, kv = (all(MODEL in _tp_split((axis,), n, units) for axis in group) for group in KINDS[kind].tp_mixer_axes)
+    heads, _ = tp_mixer_split(cfg, kind, n)
     rest = (full.flops - full_mm) / (n if heads else 1)  # the mixer's context or state FLOPs
     return LayerCost(kind, full.params, int(mm_flops + rest), int(weights * param_bytes),
-                     int(full.state_bytes / (n if kv else 1))), all_reduces
+                     tp_state_share(cfg, kind, context, n, cache_bytes, full.state_bytes)), all_reduces
+
+
+def tp_mixer_split(cfg: ModelConfig, kind: str, n: int) -> tuple[bool, bool]:
+    """(the mixer's heads split, its cache split) under n-way `TP_RULES`: each where every axis of the kind's
+    group is split (`tp_mixer_axes`: attention's query and KV heads; Gated DeltaNet's conv channels by key-head
+    group and its value heads)."""
+    units = schema.axis_units(cfg)
+    heads, kv = (all(MODEL in _tp_split((axis,), n, units) for axis in group) for group in KINDS[kind].tp_mixer_axes)
+    return heads, kv
+
+
+def tp_state_share(cfg: ModelConfig, kind: str, context: int, n: int, cache_bytes: int, state_bytes: int) -> int:
+    """One device's share of a layer's `state_bytes` (its cache, then attention's scores over its rows) under
+    n-way tensor parallelism: the cache splits with the KV heads, the scores ([Nq, rows, context]) with the
+    query heads."""
+    heads, kv = tp_mixer_split(cfg, kind, n)
+    cache = KINDS[kind].state_bytes(cfg, context, cache_bytes)
+    return int(cache / (n if kv else 1) + (state_bytes - cache) / (n if heads else 1))
 
 
 def tp_step(cfg: ModelConfig, hw: Hardware, n: int, context: int, param_bytes: int = 2,

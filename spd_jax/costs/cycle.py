@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Sequence
 from spd_jax.config import ModelConfig
 from spd_jax.models.costs import LayerCost, embed_cost, head_cost, kind_cost, layer_costs
 from spd_jax.models.kinds import FULL_ATTENTION
-from spd_jax.costs.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_step
+from spd_jax.costs.baselines import _drafter_kinds, ar_step_s, tp_layer_cost, tp_state_share, tp_step
 from spd_jax.costs.hardware import (A100_GPT_FAST, H100_NVLINK, H200_NVLINK, PROFILES, TPU_V5E_ICI,  # noqa: F401
                                        TPU_V5P_ICI, Hardware)
 from spd_jax.pipeline.partition import StagePlan, balanced, plan_stages
@@ -165,15 +165,17 @@ def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, mode
                  cache_bytes: int) -> tuple[list[LayerCost], int]:
     """The PSM body's parts on a `model`-wide row -> (each device's share, the all-reduces of [H]). Its
     layers are full-attention layers of the target's kind under the same logical axes (`drafters.psm`), so
-    `TP_RULES` splits them as the target's (`tp_layer_cost`), their FLOPs and cache by the same fractions; its
-    projections read (None, "embed") axes, which no TP rule splits: whole on every device."""
+    `TP_RULES` splits them as the target's (`tp_layer_cost`), their FLOPs by the same fraction, their cache and
+    scores as the KV and query heads split (`tp_state_share`); its projections read (None, "embed") axes, which
+    no TP rule splits: whole on every device."""
     full = kind_cost(cfg, FULL_ATTENTION.name, context, param_bytes, cache_bytes)
     share, ars = tp_layer_cost(cfg, FULL_ATTENTION.name, context, model, param_bytes, cache_bytes)
     out, total = [], 0
     for c in body:
         if c.kind == "psm_layer":
             c = dataclasses.replace(c, flops=int(c.flops * share.flops / full.flops), weight_bytes=share.weight_bytes,
-                                    state_bytes=int(c.state_bytes * share.state_bytes / full.state_bytes))
+                                    state_bytes=tp_state_share(cfg, FULL_ATTENTION.name, context, model, cache_bytes,
+                                                               c.state_bytes))
             total += ars
         out.append(c)
     return out, total

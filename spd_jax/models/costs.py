@@ -24,7 +24,8 @@ class LayerCost:
     params: int  # weights of this layer (norms included)
     flops: int  # per decoded token (multiply-add = 2)
     weight_bytes: int  # weights read per decoded token
-    state_bytes: int  # cache/state read (+ written), and attention's scores, per decoded token at the given context length
+    # cache/state read (+ written), and attention's scores, per decoded token at the given context length
+    state_bytes: int
 
     @property
     def bytes(self) -> int:
@@ -44,21 +45,23 @@ def _matmul_params(leaves: dict[str, schema.Leaf]) -> int:
 
 def kind_cost(cfg: ModelConfig, kind: str, context_len: int, param_bytes: int = 2, cache_bytes: int = 2,
               rows: int = 1, query_rows: int | None = None) -> LayerCost:
-    """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights and the cache
-    are read once for the block (what a decode step or the PSM's per-cycle block does); FLOPs and the scores
-    (`LayerKind.scores_bytes`) scale with the rows. With `query_rows` (< rows) only that many run the layer past
-    their keys and values (a drafter's last layer, whose newest row alone goes on; `attention.attention`'s
-    `query`): the rest pay the kind's `key_value_leaves` only. Parameter counts and projection FLOPs come from
+    """One layer of `kind` run on a block of `rows` tokens ending at position `context_len`: the weights and the
+    cache are read once for the block (what a decode step or the PSM's per-cycle block does); FLOPs and the
+    scores (`LayerKind.scores_bytes`) scale with the rows. With `query_rows` (1 .. rows) only that many run the
+    layer past their projections (a drafter's last layer, whose newest row alone goes on; `attention.attention`'s
+    `query`): the rest run the kind's `every_row_leaves` only. Parameter counts and projection FLOPs come from
     the weight schema; the mixer's context terms and cache bytes from the kind (`LayerKind.context_flops`,
     `.state_bytes`)."""
     k = KINDS[kind]
     leaves = k.schema(cfg)
     q = rows if query_rows is None else query_rows
-    if q != rows and not k.key_value_leaves:
-        raise ValueError(f"a {kind} layer runs every row it is given (query_rows {q} of {rows})")
-    kv = 2 * _matmul_params({name: leaves[name] for name in k.key_value_leaves})
+    if not 1 <= q <= rows or (q != rows and not k.every_row_leaves):
+        raise ValueError(f"query_rows {q} of {rows} rows: a {kind} layer runs 1 to all of its rows"
+                         + ("" if k.every_row_leaves else ", all of them for this kind"))
+    every = 2 * _matmul_params({name: leaves[name] for name in k.every_row_leaves})
     full = 2 * _matmul_params(leaves) + k.context_flops(cfg, context_len)
-    return LayerCost(kind, schema.param_count(leaves), rows * kv + q * (full - kv), schema.param_count(leaves) * param_bytes,
+    params = schema.param_count(leaves)
+    return LayerCost(kind, params, rows * every + q * (full - every), params * param_bytes,
                      k.state_bytes(cfg, context_len, cache_bytes) + k.scores_bytes(cfg, context_len, q))
 
 
@@ -94,7 +97,7 @@ def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: 
       anchor rows [rows, m, H] (the PSM projects every type, then selects by row type);
     - Ls full-attention layers of the target's kind over the `rows`-row block (n + 1 rows per cycle with
       a full pipeline), weights and its own KV cache (about `context_len` completed rows) read once; the
-      last layer's queries, output projection and MLP on the newest row only (what the draft reads);
+      last layer's attention, output projection and MLP on the newest row only (what the draft reads);
     - the head on the newest row only: V' = `draft_vocab` rows (0: the target's V), and the target's
       final norm, which is shared, so read but not counted in the PSM's params.
     The rows' embedding gathers (rows x H) are left out: negligible next to the rest."""

@@ -12,7 +12,8 @@ the library that runs, places, counts or rewinds layers asks the kind, never whi
 - rollback: an attention cache rewinds for free (entries past the position are masked); a Gated DeltaNet
   ring restores the state of k tokens ago by position (`deltanet`); `align_rows` moves per-row prefilled
   caches into one batch whose prompts end at the same slot;
-- cost: `context_flops`, `state_bytes` and `scores_bytes` per decoded token (`models.costs.kind_cost` adds the weights'),
+- cost: `context_flops`, `state_bytes` and `scores_bytes` per decoded token (`models.costs.kind_cost` adds
+  the weights'; `every_row_leaves` what a block's non-querying tokens run),
   and `tp_mixer_axes`, the logical axes whose split splits the mixer's context work and its cache.
 
 A new kind: a subclass here, its leaves in `models.schema`, an entry in `KINDS`.
@@ -53,9 +54,9 @@ class LayerKind:
     """One layer kind. Subclasses implement its mixer; the residual block around it is `layers.residual_block`."""
 
     name: str
-    # the weight leaves every token of a block runs where only some query on (`attention.attention`'s `query`):
-    # none but attention's, whose non-querying tokens still give their keys and values
-    key_value_leaves: tuple[str, ...] = ()
+    # the weight leaves every token of a block runs where only some of them query (`attention.attention`'s
+    # `query`): none but attention's, whose q/k/v projection runs on every token before the queries are picked
+    every_row_leaves: tuple[str, ...] = ()
     # logical axes whose split by tensor parallelism splits the mixer's context (or state) work, and its cache:
     # (the heads' axes, the cache's axes); a split needs every axis of a group split
     tp_mixer_axes: tuple[tuple[str, ...], tuple[str, ...]]
@@ -84,7 +85,7 @@ class Attention(LayerKind):
 
     name = ATTENTION
     tp_mixer_axes = (("q_heads",), ("kv_heads",))
-    key_value_leaves = ("wk", "wv")
+    every_row_leaves = ("wq", "wk", "wv")
 
     def init_cache(self, cfg: ModelConfig, n_layers: int, batch: int, max_len: int, ring: int, dtype) -> KVCache:
         return init_kv_cache(cfg, n_layers, batch, max_len, dtype)
