@@ -70,8 +70,9 @@ def _low_precision_dot_bwd(w_contract, res, g):
     x, w = res
     g = g.astype(w.dtype)  # [R, N]
     dx = _padded_dot(g, w, (((1,), (1 - w_contract,)), ((), ())))  # [R, K]
-    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [K, N]
-    return dx.astype(x.dtype), (dw if w_contract == 0 else dw.T).astype(w.dtype)
+    a, b = (x, g) if w_contract == 0 else (g, x)  # dw in w's own layout, [K, N] or [N, K]: no transposed copy
+    dw = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _low_precision_dot_2d.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
