@@ -53,7 +53,7 @@ from spd_jax.sharding import request_cpu_devices
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spd_cycle", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--n", type=int, default=None, help="stages (default 8, or the count of --stages)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--psm-layers", type=int, default=None,
@@ -68,18 +68,13 @@ def main(argv=None) -> int:
                     help="context length (tokens) of the H200 / TPU projections")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-
+    # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
+    stage_layers, opts = method_options(args)
     request_cpu_devices(args.n)
     logging.getLogger("spd_jax").setLevel(logging.ERROR)
     model = spd_jax.load_model(args.model)
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
-    # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
-    stage_layers = tuple(int(c) for c in args.stages.split(",")) if args.stages else None
-    if stage_layers and not args.psm_layers:
-        args.psm_layers = 2
-    opts = (dict(n=args.n, stage_layers=stage_layers)
-            | (dict(spec="random", psm_layers=args.psm_layers) if args.psm_layers else {}))
     spd_m, pipe_m = methods.SPD(**opts), methods.Pipeline(**opts)
 
     def ar_step():
@@ -141,6 +136,18 @@ def main(argv=None) -> int:
           "+ collectives); < 0: the devices' work overlaps or the parts' dispatch is not paid in the engine)")
     print_device_report(res)
     return 0
+
+
+def method_options(args) -> tuple[tuple[int, ...] | None, dict]:
+    """-> (the --stages counts or None, the SPD / pipeline methods' options): with --stages (n: their count) or
+    --psm-layers a random PSM, of --psm-layers layers (2 with --stages: the shipped PSM's plan is the default's)."""
+    stage_layers = tuple(int(c) for c in args.stages.split(",")) if args.stages else None
+    if stage_layers:
+        args.n = args.n or len(stage_layers)
+        args.psm_layers = args.psm_layers or 2
+    args.n = args.n or 8
+    return stage_layers, (dict(n=args.n, stage_layers=stage_layers)
+                          | (dict(spec="random", psm_layers=args.psm_layers) if args.psm_layers else {}))
 
 
 def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_context: int) -> dict:

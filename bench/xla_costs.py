@@ -17,8 +17,8 @@ and the cycle (every stage, the PSM body, both heads' shards on every device) su
 of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
 model counts weights and caches read once, and attention's float32 scores four times (`LayerKind.scores_bytes`:
 written, read by the softmax, written as probabilities, read; XLA:CPU passes over them about eight times, its
-transposes and reductions apart). Other activations are left out. Where they part (on XLA:CPU) is said per row. "XLA temp MB": each
-program's temporary buffer (`memory_analysis()`), allocated beside its arguments while it runs.
+transposes and reductions apart). Other activations are left out. Where they part (on XLA:CPU) is said per row.
+"XLA temp MB": each program's temporary buffer (`memory_analysis()`), allocated beside its arguments while it runs.
 """
 
 from __future__ import annotations

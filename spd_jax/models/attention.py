@@ -87,7 +87,7 @@ def attention(lp: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     x [B, T, H] (normed); k_cache/v_cache [B, Nkv, S, D], read only (entries >= pos are ignored).
     Returns (out [B, T, H], k_new [B, Nkv, T, D], v_new [B, Nkv, T, D]); the caller writes k_new/v_new
     into the cache. Keeping the cache read-only here lets a layer scan leave it in place instead of
-    threading (and copying) it through the loop carry. With `query` ([Tq] indices into the T tokens) only
+    threading (and copying) it through the loop carry. With `query` ([Tq] indices into the T tokens, 0 <= i < T) only
     those tokens query (out [B, Tq, H]); every token still gives its key and value: a drafter whose last
     layer only its newest row leaves pays that layer's scores, output projection and MLP for one row.
     """
