@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 import spd_jax
+from spd_jax.drafters import registry
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
-from spd_jax.models.costs import psm_costs
+from spd_jax.drafters.psm.engine import BLOCK_COMPLETED_ROWS
 from spd_jax.costs.cycle import default_plan
 from spd_jax.costs.profile import median_ms
 
@@ -38,9 +39,9 @@ def main(argv=None) -> int:
         cache = drafter.init((), pos + 64, model.dtype)
         h = jnp.zeros((rows, spec.m, cfg.hidden_size), model.dtype)
         body = jax.jit(lambda v, c, h, r=rows: drafter.module.apply(v, h, c, pos - r + 1, pos, pos - r + 1,
-                                                                    method=PSM.draft_hidden)[0])
+                                                                    BLOCK_COMPLETED_ROWS, method=PSM.draft_hidden)[0])
         nbytes = jnp.dtype(model.dtype).itemsize
-        parts = psm_costs(cfg, spec.num_layers, spec.m, 0, rows, pos, nbytes, nbytes)[:-1]  # without the head
+        parts = registry.PSM.cost(cfg, spec, pos, nbytes, nbytes, rows=rows)[:-1]  # without the head
         print(f"| {rows} | {sum(c.flops for c in parts) / 1e9:.3f} | {sum(c.bytes for c in parts) / 1e6:.1f} | "
               f"{median_ms(body, variables, cache, h):.2f} |")
     W = jnp.ones((cfg.hidden_size, 8 * cfg.hidden_size), model.dtype)

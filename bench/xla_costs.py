@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from spd_jax.config import ATTENTION, LINEAR, ModelConfig
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
+from spd_jax.drafters.psm.engine import BLOCK_COMPLETED_ROWS
 from spd_jax.models import decoder, schema
 from spd_jax.models.costs import layer_costs
 from spd_jax.models.kinds import KINDS
@@ -142,7 +143,8 @@ def psm_body(cfg: ModelConfig, spec: PSMConfig, context: int, dtype) -> dict:
     R, i32 = spec.n + 1, jnp.int32
 
     def fn(variables, cache, h, pc, t, completed):
-        return drafter.module.apply(variables, h, cache, pc, t, completed, method=PSM.draft_hidden)
+        return drafter.module.apply(variables, h, cache, pc, t, completed, BLOCK_COMPLETED_ROWS,
+                                   method=PSM.draft_hidden)
 
     return _cost(fn, variables, cache, _sds((R, spec.m, cfg.hidden_size), dtype), _sds((), i32), _sds((), i32),
                  _sds((), i32), donate=(1,))

@@ -241,6 +241,32 @@ def test_row_types_follow_the_staircase(deep):
     assert PSMConfig.for_target(deep.config, (2, 2, 2, 2)).anchors == (0, 2, 4, 6, 7)
 
 
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_blocks_rows_projected_by_their_own_types_equal_every_type_then_selected(deep, n):
+    """`PSM.block_rows` (each row projected by its own type only, the engine's draft block) equals `rows` under
+    `row_types` (every type at every row, then selected) at every reachable block: pc <= completed <= t < pc + R,
+    t - completed < n, with up to `completed_rows` completed rows (the engine's one, or any)."""
+    cfg = deep.config
+    spec = PSMConfig.for_target(cfg, pipelined.plan_for(deep, n).counts)
+    psm = PSM(cfg, spec)
+    v = _sensitive_psm(deep, spec)
+    R = n + 1
+    h = jax.random.normal(jax.random.key(2), (R, spec.m, cfg.hidden_size)) * (1 + jnp.arange(spec.m))[:, None]
+    block = jax.jit(lambda pc, t, c, C: psm.apply(v, h, pc, t, c, C, method=PSM.block_rows), static_argnums=3)
+    every = psm.apply(v, h, method=PSM.project_all)  # [R, m, H]
+    pc, pos, checked = 5, 5 + np.arange(R), 0
+    for C in (1, None):
+        for completed in range(pc, pc + (1 if C == 1 else R - 1) + 1):
+            for t in range(completed, min(completed + n, pc + R)):
+                types = np.asarray(row_types(spec, jnp.asarray(t - pos), jnp.asarray(pos < completed)))
+                want = np.take_along_axis(np.asarray(every), types[:, None, None], 1)[:, 0]
+                got = np.asarray(block(pc, t, completed, C))
+                live = pos <= t  # rows after t are not drafted from
+                assert_close(got[live], want[live], CACHED_VS_FULL, what=f"completed {completed - pc}, t {t - pc}")
+                checked += 1
+    assert checked >= 2 * n
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 @pytest.mark.parametrize("accept", [None, 0.3])
 def test_fills_are_dealt_in_their_proportions(n, accept):

@@ -28,6 +28,7 @@ from spd_jax.models import decoder
 from spd_jax.pipeline import stages
 from spd_jax.sharding import STAGE, stage_mesh
 from spd_jax.drafters.psm import PSM, PSMConfig, PSMDrafter, init_psm
+from spd_jax.drafters.psm.engine import BLOCK_COMPLETED_ROWS
 
 
 def median_ms(fn, *args, iters: int = 30) -> float:
@@ -67,7 +68,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     @jax.jit
     def psm_body(v, c, h):  # a full pipeline: n tokens in flight, the block starts at the oldest
-        return module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, method=PSM.draft_hidden)[0]
+        return module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, BLOCK_COMPLETED_ROWS, method=PSM.draft_hidden)[0]
 
     psm_ms = median_ms(psm_body, psm_vars, pcache, h, iters=iters)
     # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows

@@ -9,6 +9,7 @@ differ (Qwen3.5: Gated DeltaNet vs full attention). Counts are analytic, from th
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
@@ -89,12 +90,13 @@ def embed_cost(cfg: ModelConfig, param_bytes: int = 2) -> LayerCost:
 
 
 def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: int, rows: int, context_len: int,
-              param_bytes: int = 2, cache_bytes: int = 2) -> list[LayerCost]:
+              param_bytes: int = 2, cache_bytes: int = 2, projected: Sequence[int] | None = None) -> list[LayerCost]:
     """One draft of the Pipeline Speculation Module (`spd_jax.drafters.psm`, its fields passed plain so
     the models stay free of the drafter): [projections, Ls layers, head].
 
-    - projections: the m aggregation types W_a [(a+1) H, H], each applied to every one of the `rows`
-      anchor rows [rows, m, H] (the PSM projects every type, then selects by row type);
+    - projections: the m aggregation types W_a [(a+1) H, H]; `projected` lists the type of each row projected,
+      each by its own type only (`PSM.block_rows`: the in-flight depths' types and the completed rows'),
+      default every type at every one of the `rows` rows. The types listed are read, once each;
     - Ls full-attention layers of the target's kind over the `rows`-row block (n + 1 rows per cycle with
       a full pipeline), weights and its own KV cache (about `context_len` completed rows) read once; the
       last layer's attention, output projection and MLP on the newest row only (what the draft reads);
@@ -103,8 +105,11 @@ def psm_costs(cfg: ModelConfig, num_layers: int, num_anchors: int, draft_vocab: 
     The rows' embedding gathers (rows x H) are left out: negligible next to the rest."""
     H, m = cfg.hidden_size, num_anchors
     proj_params = H * H * m * (m + 1) // 2  # sum over a of (a + 1) H x H
-    proj = LayerCost("psm_proj", proj_params, 2 * rows * proj_params, proj_params * param_bytes,
-                     rows * m * H * cache_bytes)
+    projected = [a for a in range(m) for _ in range(rows)] if projected is None else list(projected)
+    if any(not 0 <= a < m for a in projected):
+        raise ValueError(f"projected row types must be in 0..{m - 1}, got {projected}")
+    macs, read = sum((a + 1) * H * H for a in projected), sum((a + 1) * H * H for a in set(projected))
+    proj = LayerCost("psm_proj", proj_params, 2 * macs, read * param_bytes, rows * m * H * cache_bytes)
     layer = kind_cost(cfg, FULL_ATTENTION.name, context_len, param_bytes, cache_bytes, rows)
     last = kind_cost(cfg, FULL_ATTENTION.name, context_len, param_bytes, cache_bytes, rows, query_rows=1)
     layers = [dataclasses.replace(c, kind="psm_layer") for c in [layer] * (num_layers - 1) + [last]]

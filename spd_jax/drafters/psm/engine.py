@@ -12,6 +12,11 @@ from spd_jax.drafters.psm.model import PSM, PSMConfig
 from spd_jax.drafters.shared import init_layer_caches, module_params, sharded_head, split_layers
 
 
+# Completed rows in a draft block, at most: `decode.spd` verifies one token per cycle, so `completed` moves by
+# one and `cached` (the last cycle's `completed`) trails it by at most one (`PSM.block_rows`).
+BLOCK_COMPLETED_ROWS = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class PSMDrafter:
     """The PSM as the SPD engine's drafter (`drafters.base.SpdDrafter`): its state is its KV cache of
@@ -66,7 +71,7 @@ class PSMDrafter:
         def body(cache):  # the rows' h_0 is the tokens' embeddings, which the engine keeps by position
             h = cycle.table[pos % W].at[:, 0].set(cycle.embeds[pos % W])  # [n + 1, m, H]
             return self.module.apply(params, ops.vary(h), cache, cycle.cached, cycle.t, cycle.completed,
-                                     method=PSM.draft_hidden)
+                                     BLOCK_COMPLETED_ROWS, method=PSM.draft_hidden)
 
         return ops.on_device(body, lambda cache: (ops.vary(jnp.zeros((self.cfg.hidden_size,), cycle.table.dtype)),
                                                   cache), state)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from spd_jax.config import ModelConfig
 from spd_jax.drafters import store
 from spd_jax.drafters.kind import DrafterKind, Training
-from spd_jax.drafters.psm.engine import PSMDrafter
+from spd_jax.drafters.psm.engine import BLOCK_COMPLETED_ROWS, PSMDrafter
 from spd_jax.drafters.psm.fills import drafts_by_fill
 from spd_jax.drafters.psm.model import PSM, PSMConfig, _layer_schema, layer_config
 from spd_jax.drafters.psm.objective import psm_loss
@@ -114,11 +114,13 @@ def _misfit(spec: PSMConfig, plan) -> str | None:
 
 def _cost(cfg: ModelConfig, spec: PSMConfig, context: int, param_bytes: int = 2, cache_bytes: int | None = None,
           rows: int | None = None) -> list:
-    """One draft: the projections and Ls layers over the block of `rows` rows (default n + 1: a full
-    pipeline), and the head -> [projections, Ls layers, head]."""
+    """One draft as the engine runs it (`PSMDrafter`): the projections (each in-flight depth's row by its own
+    type, the block's completed row by the deepest) and Ls layers over the block of `rows` rows (default
+    n + 1: a full pipeline), and the head -> [projections, Ls layers, head]."""
+    projected = spec.staircase[:spec.n] + (spec.m - 1,) * BLOCK_COMPLETED_ROWS
     return psm_costs(layer_config(cfg, spec), spec.num_layers, spec.m, spec.draft_vocab,
                      spec.n + 1 if rows is None else rows, context,
-                     param_bytes, param_bytes if cache_bytes is None else cache_bytes)
+                     param_bytes, param_bytes if cache_bytes is None else cache_bytes, projected)
 
 
 def _warm_start(model, spec: PSMConfig, init_from: str, log) -> dict:
