@@ -14,7 +14,8 @@ Measures, in one run:
 and the cycle profile (spd_jax.costs.profile): each stage, the PSM body, one vocabulary shard of
 the PSM head and of verification, the collectives. Per device, the busy time per cycle with the PSM
 body on the last stage (`--psm-placement last`; its stage and one shard of each head): measured
-(each part timed on its own), and predicted by the cost model (spd_jax.costs.cycle) fitted to this
+(as one call per device, one dispatch as in the engine's one program; that less a trivial call's dispatch;
+and the sum of its parts timed alone), and predicted by the cost model (spd_jax.costs.cycle) fitted to this
 CPU, for the current stage plan and for the device-aware plan (an opt-in: pass its counts to
 `infer.generate --stages`; the shipped PSM is tied to the default plan); with max/mean imbalance.
 On a CPU host the n "devices" share its cores: were they to run one after another, a cycle would cost
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=None,
                     help="per-stage layer counts, comma-separated (e.g. the device-aware plan this report prints); a "
                          "random PSM drafts (the shipped one is tied to the default plan), of --psm-layers layers (2)")
+    ap.add_argument("--psm-placement", choices=("last", "own"), default="last",
+                    help="where the SPD runs and the busy times put the PSM body: the last stage, or a device of its "
+                         "own (n + 1 devices, the heads split n + 1 ways)")
     ap.add_argument("--alpha-S0", default="1.5",
                     help="S0 = alpha * L / max(stage layers) for the projections, or 'measured' (this run's)")
     ap.add_argument("--project-context", type=int, default=1024,
@@ -70,12 +74,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # the SPD runs and the profile must describe one PSM: the default's layer count, or a random one's
     stage_layers, opts = method_options(args)
-    request_cpu_devices(args.n)
+    own = args.psm_placement == "own"
+    request_cpu_devices(args.n + own)
     logging.getLogger("spd_jax").setLevel(logging.ERROR)
     model = spd_jax.load_model(args.model)
     ids = model.encode("Explain how a bicycle works, step by step.")
     N = args.new_tokens
-    spd_m, pipe_m = methods.SPD(**opts), methods.Pipeline(**opts)
+    spd_m, pipe_m = methods.SPD(**opts, psm_placement=args.psm_placement), methods.Pipeline(**opts)
 
     def ar_step():
         r = spd_jax.generate(model, ids, N, stop_at_eos=False)
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
     _, spd_stats = cycle(spd_m)
     plan = plan_for(model, args.n, stage_layers)  # what spd ran above: the engine's default, or --stages
     psm_layers = args.psm_layers or (read_spec(spd_stats["psm"]).num_layers if spd_stats["psm"] != Form.RANDOM.value else 2)
-    prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2)
+    psm_device = plan.n if own else plan.n - 1
+    prof = profile_cycle(model, plan, psm_layers=psm_layers, context=len(ids) + N // 2, psm_device=psm_device)
     res = dict(model=str(model.path), n=args.n, new_tokens=N, stage_layers=spd_stats["stage_layers"],
                ar_step_ms=statistics.median(ar), spd_cycle_ms=statistics.median(spd),
                pipeline_cycle_ms=statistics.median(pipe), spd_alpha=spd_stats["alpha"],
@@ -111,7 +117,7 @@ def main(argv=None) -> int:
     res["sum_of_stage_ms"] = sum(prof["stage_ms"])
     S0 = spd_stats["S0"] if args.alpha_S0 == "measured" else float(args.alpha_S0)
     res |= device_report(model, plan, prof, psm_layers, S0, args.project_context)
-    res["rest_of_cycle_ms"] = res["spd_cycle_ms"] - (sum(res["busy"]["measured_ms"]) + prof["comm_ms"])
+    res["rest_of_cycle_ms"] = res["spd_cycle_ms"] - (sum(res["busy"]["less_dispatch_ms"]) + prof["comm_ms"])
     res["rest_of_cycle_includes"] = ("SPD cycle - (sum over the n devices of their busy time + collectives): ~0 if "
                                      "the devices sharing this host's cores ran one after another; negative when "
                                      "their work overlaps or the parts' per-call dispatch is not paid in the engine")
@@ -156,16 +162,21 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
     cfg, n = model.config, plan.n
     psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)  # what profile_cycle timed
     # every device its stage and one shard of each head; the PSM body on the last stage (psm_placement
-    # "last": the reference the placement table of the projections compares the others with)
-    measured = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"]]
-    measured[-1] += prof["psm_ms"]
+    # "last": the reference the placement table of the projections compares the others with) or, with
+    # --psm-placement own, on a device of its own without a stage (n + 1 shards of each head). Measured as one
+    # call per device (`profile_cycle`'s device_ms: one dispatch, as the engine's one program), and as the sum
+    # of its parts timed alone (a dispatch per part: 4 on the PSM's device, 3 elsewhere)
+    measured, psm_device = list(prof["device_ms"]), prof["psm_device"]
+    parts_sum = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"] + ([0.0] if psm_device == n else [])]
+    parts_sum[psm_device] += prof["psm_ms"]
+    compute = [t - prof["dispatch_ms"] for t in measured]  # less one trivial call's dispatch each
     cpu_bytes = jnp.dtype(model.dtype).itemsize
     cpu = calibration.fit_cpu(prof, cfg, psm_cfg, param_bytes=cpu_bytes)
     ctx = prof["context"]
 
     def plans(hw, context, param_bytes, heads):
-        busy = cycle.device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads)
-        aware, aware_busy = cycle.device_aware_plan(cfg, n, psm_cfg, hw, context, param_bytes, heads)
+        busy = cycle.device_busy(cfg, plan, psm_cfg, hw, context, param_bytes, heads, psm_device)
+        aware, aware_busy = cycle.device_aware_plan(cfg, n, psm_cfg, hw, context, param_bytes, heads, psm_device)
         return dict(current=dict(stage_layers=list(plan.counts), busy_ms=[1e3 * b for b in busy],
                                  imbalance=cycle.imbalance(busy)),
                     device_aware=dict(stage_layers=list(aware.counts), busy_ms=[1e3 * b for b in aware_busy],
@@ -174,11 +185,11 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
     predicted, _ = plans(cpu, ctx, cpu_bytes, "sharded")
     # validation on this host: each measured part against the fitted model (in-sample: the fit used them),
     # and two figures it did not use: the AR step, and the SPD cycle as the SUM of the parts (serial here)
-    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, cpu_bytes)
+    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, cpu_bytes, psm_device=psm_device)
     fit_parts = dict(stage_ms=[1e3 * cpu.part_s(st) for st in cc.stages], psm_ms=1e3 * cpu.part_s(cc.psm_body),
                      psm_head_ms=1e3 * cpu.part_s([cc.psm_head_shard]), verify_ms=1e3 * cpu.part_s([cc.head_shard]),
                      comm_ms=1e3 * cycle.comm_s(cc, cpu))
-    cpu_pred = cycle.predict(cfg, n, psm_cfg, cpu, ctx, S0, plan, cpu_bytes)
+    cpu_pred = cycle.predict(cfg, n, psm_cfg, cpu, ctx, S0, plan, cpu_bytes, psm_device=psm_device)
     validation = dict(parts_predicted=fit_parts, ar_step_ms_predicted=1e3 * cpu_pred["ar_step_s"],
                       spd_cycle_serial_ms_predicted=1e3 * (sum(cpu_pred["device_busy_s"]) + cpu_pred["spd_comm_s"]))
     projections = []
@@ -200,10 +211,16 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
         projections.append(dict(hardware=dataclasses.asdict(hw), **rows,
                                 label="fitted here; projection for n such devices in parallel" if not hw.projection
                                 else "projection: " + hw.assumes))
-    return dict(busy=dict(measured_ms=measured, measured_imbalance=cycle.imbalance(measured),
-                          includes="per device per cycle, the engine's placement: its stage's layers (profile "
-                                   "stage_ms) + one shard of the verification and PSM heads; the last stage also "
-                                   "the PSM body; collectives excluded (all devices take part)"),
+    return dict(busy=dict(psm_device=psm_device, measured_ms=measured, measured_imbalance=cycle.imbalance(measured),
+                          less_dispatch_ms=compute, less_dispatch_imbalance=cycle.imbalance(compute),
+                          parts_sum_ms=parts_sum, parts_sum_imbalance=cycle.imbalance(parts_sum),
+                          includes="per device per cycle: its stage's layers, one shard of the verification and "
+                                   "PSM heads, on psm_device (the last stage, or n: a device of its own without a "
+                                   "stage) also the PSM body, as one jitted call, the devices called in turn (one "
+                                   "host dispatch; less_dispatch: minus a trivial call's, the compute alone; "
+                                   "parts_sum: the parts timed alone, a dispatch each, each repeated on its own, so "
+                                   "its weights may stay in the CPU's cache); collectives excluded (all devices "
+                                   "take part)"),
                 cost_model=dict(cpu_fit=dataclasses.asdict(cpu), context=ctx, param_bytes=cpu_bytes,
                                 heads="sharded", predicted=predicted, validation=validation),
                 S0_projected=S0, projections=projections)
@@ -212,9 +229,12 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
 def print_device_report(res: dict) -> None:
     ms = lambda xs: " ".join(f"{x:6.2f}" for x in xs)  # noqa: E731
     b, cm = res["busy"], res["cost_model"]
-    print("busy per device per cycle (ms; stage + a shard of each head, the PSM body on the last stage; collectives "
-          "apart):")
-    print(f"  measured            {ms(b['measured_ms'])}   max/mean {b['measured_imbalance']:.2f}")
+    where = "its own device (the last column)" if res["busy"]["psm_device"] == res["n"] else "the last stage"
+    print(f"busy per device per cycle (ms; stage + a shard of each head, the PSM body on {where}; collectives apart):")
+    print(f"  measured, one call  {ms(b['measured_ms'])}   max/mean {b['measured_imbalance']:.2f}")
+    print(f"  less its dispatch   {ms(b['less_dispatch_ms'])}   max/mean {b['less_dispatch_imbalance']:.2f}")
+    print(f"  sum of parts alone  {ms(b['parts_sum_ms'])}   max/mean {b['parts_sum_imbalance']:.2f}  (a dispatch per "
+          "part)")
     for key in ("current", "device_aware"):
         p = cm["predicted"][key]
         print(f"  model, {key:12s} {ms(p['busy_ms'])}   max/mean {p['imbalance']:.2f}  stages {p['stage_layers']}")

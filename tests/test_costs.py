@@ -225,10 +225,18 @@ def test_profile_cycle_times_what_the_fit_reads(tiny_ckpt):
     model = spd_jax.load_model(tiny_ckpt("qwen3", False)[0])
     plan = StagePlan((2, 2))
     prof = profile_cycle(model, plan, psm_layers=1, context=16, iters=2)
-    assert set(prof) >= {"stage_ms", "verify_ms", "psm_ms", "psm_head_ms", "ar_step_ms", "comm_ms"}
+    assert set(prof) >= {"stage_ms", "verify_ms", "psm_ms", "psm_head_ms", "ar_step_ms", "comm_ms", "device_ms"}
     assert len(prof["stage_ms"]) == 2 and min(*prof["stage_ms"], prof["ar_step_ms"], prof["comm_ms"]) > 0
-    hw = calib.fit_cpu(prof, model.config, PSMConfig.for_target(model.config, plan.counts, num_layers=1), param_bytes=4)
+    assert prof["psm_device"] == 1 and len(prof["device_ms"]) == 2 and min(prof["device_ms"]) > 0
+    psm = PSMConfig.for_target(model.config, plan.counts, num_layers=1)
+    hw = calib.fit_cpu(prof, model.config, psm, param_bytes=4)
     assert hw.mem_bytes_per_s > 0 and "AR step" in hw.assumes
+    # the PSM on a device of its own: a third device, without a stage, and the heads' shards a third of the rows
+    own = profile_cycle(model, plan, psm_layers=1, context=16, iters=2, psm_device=2)
+    assert own["psm_device"] == 2 and len(own["device_ms"]) == 3 and len(own["stage_ms"]) == 2
+    assert calib.fit_cpu(own, model.config, psm, param_bytes=4).mem_bytes_per_s > 0
+    with pytest.raises(ValueError, match="a device of its own"):
+        profile_cycle(model, plan, psm_layers=1, context=16, iters=2, psm_device=3)
 
 
 def test_tp_counts_what_its_placement_splits():

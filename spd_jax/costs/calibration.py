@@ -138,7 +138,8 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     less their bytes at that bandwidth."""
     plan = StagePlan(tuple(profile["stage_layers"]))
     ctx = int(profile["context"])
-    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes)
+    # the heads' shards as the profile timed them: 1/n of the rows, 1/(n + 1) with the PSM on its own device
+    cc = cycle.cycle_costs(cfg, plan, psm_cfg, ctx, param_bytes, psm_device=profile.get("psm_device"))
     parts = [*cc.stages, (cc.head_shard,), cc.psm_body, (cc.psm_head_shard,)]
     y = [*profile["stage_ms"], profile["verify_ms"], profile["psm_ms"], profile["psm_head_ms"]]
     two = bool(profile.get("ar_step_ms"))  # an AR step: a second bandwidth, the stages' programs apart

@@ -42,7 +42,24 @@ def median_ms(fn, *args, iters: int = 30) -> float:
     return 1e3 * statistics.median(ts)
 
 
-def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: int = 30) -> dict:
+def round_robin_ms(fns, iters: int = 30) -> list[float]:
+    """Per fn the median wall time of a call in ms, the fns called in turn (fn 0, 1, .., 0, 1, ..) `iters`
+    rounds, after one warm-up round: as the devices of a host take turns in the engine, so each call finds
+    the caches as the others left them (timed alone and repeated, a part's weights can stay in the CPU's
+    last-level cache, which the engine's cycle never offers: it streams every device's weights)."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    ts = [[] for _ in fns]
+    for _ in range(iters):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts[i].append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(t) for t in ts]
+
+
+def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: int = 30,
+                  psm_device: int | None = None) -> dict:
     cfg, n = model.config, plan.n
     psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
     layout = stages.StageLayout.of(cfg, plan, psm_cfg.anchors)
@@ -71,8 +88,13 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
         return module.apply(v, h, c, pos - n + 1, pos, pos - n + 1, BLOCK_COMPLETED_ROWS, method=PSM.draft_hidden)[0]
 
     psm_ms = median_ms(psm_body, psm_vars, pcache, h, iters=iters)
-    # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows
-    rows = -(-cfg.vocab_size // n)
+    # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows (1/(n + 1) with
+    # the PSM on a device of its own)
+    psm_device = n - 1 if psm_device is None else psm_device
+    if not 0 <= psm_device <= n:
+        raise ValueError(f"psm_device must be a stage 0..{n - 1} or {n} (a device of its own), got {psm_device}")
+    devices = n + (psm_device == n)
+    rows = -(-cfg.vocab_size // devices)
 
     @jax.jit
     def psm_head(v, x):
@@ -87,9 +109,27 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     verify_ms = median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
+    # each device's whole work of a cycle as ONE call, as the engine runs it inside one program (one dispatch, not
+    # one per part): its stage (none on the PSM's own device), one shard of each head (the verification under a
+    # `lax.cond`, as `decode.spd` branches on `verified`: the two heads' dots are not merged) and, on the PSM's
+    # device, the body; the devices timed in turn (`round_robin_ms`), as they take turns on this host
+    head_params = {k: v for k, v in model.params.items() if k != "layers"}
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def device_work(with_stage: bool, with_body: bool, stage, head, v, pcache, h, verified):
+        out = [psm_head(v, x[0, 0]), jax.lax.cond(verified, lambda y: verify(head, y), lambda y: jnp.int32(0), x[0, 0])]
+        return out + ([one_stage(*stage, x)] if with_stage else []) + ([psm_body(v, pcache, h)] if with_body else [])
+
+    def stage_of(s):  # stage s's weights, cache and program table; the PSM's own device has none
+        return tuple(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)) if s < n else ()
+
+    device_ms = round_robin_ms([functools.partial(device_work, s < n, s == psm_device, stage_of(s), head_params,
+                                                  psm_vars, pcache, h, jnp.bool_(True)) for s in range(devices)],
+                               iters=iters)
+    dispatch_ms = median_ms(jax.jit(lambda x: x + 1), x, iters=iters)
+
     # one AR step of the whole model, as decode.ar runs it: per-layer weights, the whole head, the argmax
     # (the caches are not returned, so their one-slot write is left out; their reads are timed)
-    head_params = {k: v for k, v in model.params.items() if k != "layers"}
     ar_layers = decoder.decode_layers(model.params["layers"], cfg)
     ar_caches = decoder.split_cache(decoder.init_cache(cfg, 1, context + 64, model.dtype), cfg)
 
@@ -100,12 +140,14 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     ar_step_ms = median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
 
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
-                verify_ms=verify_ms, ar_step_ms=ar_step_ms,
+                verify_ms=verify_ms, ar_step_ms=ar_step_ms, device_ms=device_ms, psm_device=psm_device,
+                dispatch_ms=dispatch_ms,
                 comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters), context=context, n=n,
                 stage_layers=list(plan.counts),
-                includes="each part: median wall time of one jitted call incl. host dispatch; comm: per cycle, "
-                         "amortised over an on-device loop; ar_step: one decoder step of the whole model as "
-                         "decode.ar runs it")
+                includes="each part: median wall time of one jitted call incl. host dispatch; device_ms: per device "
+                         "its stage, a shard of each head and (psm_device) the PSM body as one call, one dispatch; "
+                         "dispatch_ms: a trivial jitted call's; comm: per cycle, amortised over an on-device loop; "
+                         "ar_step: one decoder step of the whole model as decode.ar runs it")
 
 
 def _comm_ms(n: int, m: int, H: int, dtype, iters: int) -> float:
