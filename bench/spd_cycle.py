@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     print("  stages           " + " ".join(f"{t:.2f}" for t in prof["stage_ms"]) + f"  (sum {res['sum_of_stage_ms']:.2f},"
           f" slowest {prof['slowest_stage_ms']:.2f})")
     print(f"  PSM body         {prof['psm_ms']:7.2f} ms")
-    print(f"  PSM head shard   {prof['psm_head_ms']:7.2f} ms (1/{args.n} of the head; every device runs one)")
-    print(f"  verify shard     {prof['verify_ms']:7.2f} ms (1/{args.n} of the head; every device runs one)")
+    print(f"  PSM head shard   {prof['psm_head_ms']:7.2f} ms (1/{args.n + own} of the head; every device runs one)")
+    print(f"  verify shard     {prof['verify_ms']:7.2f} ms (1/{args.n + own} of the head; every device runs one)")
     print(f"  collectives      {prof['comm_ms']:7.2f} ms per cycle")
     print(f"  rest of a cycle  {res['rest_of_cycle_ms']:7.2f} ms (SPD cycle - (sum of every device's busy time below "
           "+ collectives); < 0: the devices' work overlaps or the parts' dispatch is not paid in the engine)")
