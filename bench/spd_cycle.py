@@ -1,6 +1,7 @@
 """Cost of one SPD cycle against one autoregressive step, side by side on the same backend and model.
 
     python -m bench.spd_cycle [--model smollm2-135m-instruct] [--n 8] [--new-tokens 64] [--repeats 3] [--stages 4,4,..]
+                              [--psm-placement auto|last|own]
 
 Measures, in one run:
   ar_step_ms      the on-device AR decode loop's time per token (spd_jax.generate, method="ar")
@@ -13,7 +14,8 @@ Measures, in one run:
                   for greedy spd and pipeline and sampled spd
 and the cycle profile (spd_jax.costs.profile): each stage, the PSM body, one vocabulary shard of
 the PSM head and of verification, the collectives. Per device, the busy time per cycle with the PSM
-body on the last stage (`--psm-placement last`; its stage and one shard of each head): measured
+body on the last stage (its stage and one shard of each head; with `--psm-placement own` on a device of its
+own, as the SPD runs then place it too: n + 1 devices, the heads split n + 1 ways): measured
 (as one call per device, one dispatch as in the engine's one program; that less a trivial call's dispatch;
 and the sum of its parts timed alone), and predicted by the cost model (spd_jax.costs.cycle) fitted to this
 CPU, for the current stage plan and for the device-aware plan (an opt-in: pass its counts to
@@ -63,9 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=None,
                     help="per-stage layer counts, comma-separated (e.g. the device-aware plan this report prints); a "
                          "random PSM drafts (the shipped one is tied to the default plan), of --psm-layers layers (2)")
-    ap.add_argument("--psm-placement", choices=("last", "own"), default="last",
-                    help="where the SPD runs and the busy times put the PSM body: the last stage, or a device of its "
-                         "own (n + 1 devices, the heads split n + 1 ways)")
+    ap.add_argument("--psm-placement", choices=("auto", "last", "own"), default="auto",
+                    help="where the SPD runs put the PSM body (the engine's default: auto); the busy times put it on "
+                         "the last stage, or with own on a device of its own for both (n + 1 devices, the heads split "
+                         "n + 1 ways)")
     ap.add_argument("--alpha-S0", default="1.5",
                     help="S0 = alpha * L / max(stage layers) for the projections, or 'measured' (this run's)")
     ap.add_argument("--project-context", type=int, default=1024,
@@ -118,7 +121,8 @@ def main(argv=None) -> int:
     S0 = spd_stats["S0"] if args.alpha_S0 == "measured" else float(args.alpha_S0)
     res |= device_report(model, plan, prof, psm_layers, S0, args.project_context)
     res["rest_of_cycle_ms"] = res["spd_cycle_ms"] - (sum(res["busy"]["less_dispatch_ms"]) + prof["comm_ms"])
-    res["rest_of_cycle_includes"] = ("SPD cycle - (sum over the n devices of their busy time + collectives): ~0 if "
+    res["rest_of_cycle_includes"] = ("SPD cycle - (sum over the devices of their busy time, less a dispatch each, + "
+                                     "collectives): ~0 if "
                                      "the devices sharing this host's cores ran one after another; negative when "
                                      "their work overlaps or the parts' per-call dispatch is not paid in the engine")
     if args.json:

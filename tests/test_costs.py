@@ -273,6 +273,23 @@ def test_psm_and_embedding_params_match_the_loaded_weights(tiny_ckpt, tie):
         assert sum(c.params for c in costs) == held, draft_vocab
 
 
+def test_the_psm_projections_count_each_row_by_its_own_type():
+    """A draft block's projections as `PSM.block_rows` runs them: each in-flight depth's row by its own type and
+    the one completed row by the deepest, FLOPs 2 sum (a + 1) H^2 over the rows' types a; every type present read
+    once, one the staircase skips not at all (SmolLM2 n = 2 has no in-flight row of type 1 or 3)."""
+    cfg = ModelConfig.named("smollm2-135m-instruct")
+    H, pb = cfg.hidden_size, 4
+    for n, types, read in ((8, (0, 1, 1, 2, 2, 2, 3, 3, 4), 1 + 2 + 3 + 4 + 5), (2, (0, 2, 4), 1 + 3 + 5)):
+        spec = _psm_cfg(cfg, cyc.default_plan(cfg, n))
+        assert spec.staircase[:n] + (spec.m - 1,) == types, n
+        proj = registry.PSM.cost(cfg, spec, 512, pb)[0]
+        assert proj.kind == "psm_proj" and proj.params == 15 * H * H
+        assert proj.flops == 2 * sum(a + 1 for a in types) * H * H, n
+        assert proj.bytes == read * H * H * pb + (n + 1) * spec.m * H * pb, n  # + the anchor states read
+    with pytest.raises(ValueError, match="projected row types"):
+        psm_costs(cfg, 2, 5, 0, 9, 512, projected=[5])
+
+
 def test_the_cost_model_counts_drafters_through_their_kinds(monkeypatch):
     """A drafter's draft is counted once, by its kind (`DrafterKind.cost`): the cycle's PSM parts and the
     chain round's drafter steps are that count, and follow it when it changes."""

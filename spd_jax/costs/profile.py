@@ -1,10 +1,12 @@
 """Time the parts of one SPD cycle on the current backend, each as its own small jitted program:
-every stage's layers on one token, the PSM's layers (on the last stage), the PSM's head and the
-verification head on one vocabulary shard (final norm + 1/n of the LM head + choice; every stage runs
-one of each), and the per-cycle collectives of the engine (greedy: the hidden state's permute, one
-all-gather of every device's output, anchor states and drafter state, one of the two heads' per-shard
-best logits), and, for comparison, one AR decoder step of the whole model as `decode.ar` runs it
-(per-layer weights). `loop_collectives` counts the collectives a compiled loop runs per iteration.
+every stage's layers on one token, the PSM's body, the PSM's head and the verification head on one
+vocabulary shard (final norm + 1/D of the LM head + choice, D = n devices, or n + 1 with the PSM on a
+device of its own; every device runs one of each), and the per-cycle collectives of the engine (greedy: the
+hidden state's permute, one all-gather of every device's output, anchor states and drafter state, one of
+the two heads' per-shard best logits), and, for comparison, one AR decoder step of the whole model as
+`decode.ar` runs it (per-layer weights). Then each device's whole work of a cycle as one program (its
+stage, a shard of each head, the PSM body on `psm_device`), the devices called in turn (`device_ms`).
+`loop_collectives` counts the collectives a compiled loop runs per iteration.
 
 Each figure is the median wall time of a call, including its host dispatch; the engine itself runs
 all of them inside one on-device loop, so `cycle_ms - (slowest stage + PSM + verify + comm)` measured
@@ -61,6 +63,10 @@ def round_robin_ms(fns, iters: int = 30) -> list[float]:
 def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: int = 30,
                   psm_device: int | None = None) -> dict:
     cfg, n = model.config, plan.n
+    psm_device = n - 1 if psm_device is None else psm_device
+    if not 0 <= psm_device <= n:
+        raise ValueError(f"psm_device must be a stage 0..{n - 1} or {n} (a device of its own), got {psm_device}")
+    devices = n + (psm_device == n)
     psm_cfg = PSMConfig.for_target(cfg, plan.counts, num_layers=psm_layers)
     layout = stages.StageLayout.of(cfg, plan, psm_cfg.anchors)
     weights = stages.stack_stage_weights(model.params["layers"], cfg, layout)
@@ -90,10 +96,6 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     psm_ms = median_ms(psm_body, psm_vars, pcache, h, iters=iters)
     # the heads run vocabulary-parallel (decode.vocab): each device computes 1/n of the rows (1/(n + 1) with
     # the PSM on a device of its own)
-    psm_device = n - 1 if psm_device is None else psm_device
-    if not 0 <= psm_device <= n:
-        raise ValueError(f"psm_device must be a stage 0..{n - 1} or {n} (a device of its own), got {psm_device}")
-    devices = n + (psm_device == n)
     rows = -(-cfg.vocab_size // devices)
 
     @jax.jit
@@ -128,21 +130,11 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
                                iters=iters)
     dispatch_ms = median_ms(jax.jit(lambda x: x + 1), x, iters=iters)
 
-    # one AR step of the whole model, as decode.ar runs it: per-layer weights, the whole head, the argmax
-    # (the caches are not returned, so their one-slot write is left out; their reads are timed)
-    ar_layers = decoder.decode_layers(model.params["layers"], cfg)
-    ar_caches = decoder.split_cache(decoder.init_cache(cfg, 1, context + 64, model.dtype), cfg)
-
-    @jax.jit
-    def ar_step(layers, head, caches, tok):
-        return jnp.argmax(decoder.decode_step(layers, head, tok, caches, pos, cfg)[0][0, 0])
-
-    ar_step_ms = median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
-
+    ar_step_ms = _ar_step_ms(model, context, iters)
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
                 verify_ms=verify_ms, ar_step_ms=ar_step_ms, device_ms=device_ms, psm_device=psm_device,
                 dispatch_ms=dispatch_ms,
-                comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters), context=context, n=n,
+                comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters, devices), context=context, n=n,
                 stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; device_ms: per device "
                          "its stage, a shard of each head and (psm_device) the PSM body as one call, one dispatch; "
@@ -150,10 +142,27 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
                          "ar_step: one decoder step of the whole model as decode.ar runs it")
 
 
-def _comm_ms(n: int, m: int, H: int, dtype, iters: int) -> float:
-    """The engine's per-cycle collectives on an n-stage mesh (m anchors, hidden size H), in ms per cycle,
-    amortised over an on-device loop."""
-    mesh = stage_mesh(n)
+def _ar_step_ms(model, context: int, iters: int) -> float:
+    """One AR step of the whole model at position `context`, as decode.ar runs it: per-layer weights, the whole
+    head, the argmax (the caches are not returned, so their one-slot write is left out; their reads are timed)."""
+    cfg = model.config
+    head_params = {k: v for k, v in model.params.items() if k != "layers"}
+    ar_layers = decoder.decode_layers(model.params["layers"], cfg)
+    ar_caches = decoder.split_cache(decoder.init_cache(cfg, 1, context + 64, model.dtype), cfg)
+
+    @jax.jit
+    def ar_step(layers, head, caches, tok):
+        return jnp.argmax(decoder.decode_step(layers, head, tok, caches, jnp.int32(context), cfg)[0][0, 0])
+
+    return median_ms(ar_step, ar_layers, head_params, ar_caches, jnp.zeros((1, 1), jnp.int32), iters=iters)
+
+
+def _comm_ms(n: int, m: int, H: int, dtype, iters: int, devices: int | None = None) -> float:
+    """The engine's per-cycle collectives of n stages on a mesh of `devices` (default n; n + 1 with the PSM on
+    a device of its own, which takes part in the all-gathers, not the stages' permute), m anchors, hidden size
+    H, in ms per cycle, amortised over an on-device loop."""
+    devices = n if devices is None else devices
+    mesh = stage_mesh(devices)
     reps = 20
     fwd = [(i, i + 1) for i in range(n - 1)]
 
@@ -172,8 +181,8 @@ def _comm_ms(n: int, m: int, H: int, dtype, iters: int) -> float:
 
     comm = jax.jit(jax.shard_map(collectives, mesh=mesh, in_specs=(P(STAGE), P(STAGE)), out_specs=(P(STAGE), P(STAGE))))
     st = NamedSharding(mesh, P(STAGE))
-    xs = jax.device_put(jnp.zeros((n, 1, H), dtype), st)
-    tables = jax.device_put(jnp.zeros((n * m, H), dtype), st)  # each stage's [m, H] anchor states
+    xs = jax.device_put(jnp.zeros((devices, 1, H), dtype), st)
+    tables = jax.device_put(jnp.zeros((devices * m, H), dtype), st)  # each device's [m, H] anchor states
     return median_ms(comm, xs, tables, iters=max(3, iters // 5)) / reps
 
 

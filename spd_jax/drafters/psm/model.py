@@ -190,7 +190,7 @@ class PSM(DraftHead, nn.Module):
         R; the engine's block has at most one: `completed` moves by one per verified cycle, `cached`
         follows it). Per block sum_d (f(d) + 1) H^2 + completed_rows m H^2 multiply-adds instead of
         R m (m + 1) / 2 H^2 for every type at every row (SmolLM2 n = 8: 27 H^2 instead of 135 H^2); the
-        weights read are the same."""
+        weights read are those of the types present (all of them at SmolLM2 n = 8, 15 H^2)."""
         spec, (R, m, H) = self.spec, h.shape
         C = R if completed_rows is None else min(int(completed_rows), R)
         h = self.norm_anchors(h)
