@@ -56,8 +56,9 @@ class StageHeads:
         return vocab.warp(logits, own, sp["temperature"], sp["top_k"], sp["top_p"], ec.filtered, cap, STAGE)
 
     def target_logits(self, h: jax.Array) -> jax.Array:
-        """h [H], the same on every stage -> this stage's shard of the target's logits [rows] (-inf off its
-        own rows)."""
+        """h [..., H], the same on every stage -> this stage's shard of the target's logits [..., rows] (-inf off
+        its own rows): several hidden states in one pass over the shard's rows (the engine's verification and a
+        draft on the target's head, `SpdDrafter.reads_target_head`)."""
         vs, s = self.vs, self.s
         return jnp.where(self.own_v, decoder.head_logits(h, self.shared["final_norm"], self.head, self.cfg,
                                                          vs.start(s), vs.rows), -jnp.inf)

@@ -211,6 +211,9 @@ class _Engine:
         self.drafts, self.gathers = ec.drafter.k > 0, bool(ec.drafter.anchors)  # static: what the cycle computes
         self.sampled_drafts = self.drafts and not ec.greedy
         self.early = self.drafts and ec.drafter.after_stage is None  # drafts at the cycle's start
+        # a drafter whose head is the target's own rows (`SpdDrafter.reads_target_head`): both heads in one pass
+        # over this device's shard, the verification's and the draft's hidden states as two rows of one dot
+        self.one_head = self.drafts and getattr(ec.drafter, "reads_target_head", False)
         # the stage that makes each anchor (-1: none, e.g. h_0), static: where a cycle's anchor states land
         # in the table follows from it and the replicated bookkeeping, so only the states themselves travel
         made_by = [-1] * self.m
@@ -332,25 +335,37 @@ class _Engine:
         pipeline refills: `verified` is replicated, so every stage takes the same branch); the decisions
         come out of collectives, identical everywhere."""
         h_verify = every[self.last, 0].astype(x_dtype)  # [H]
-        d, token_ids = None, None
-        if self.drafts:
+        d, token_ids, target = None, None, None
+        if self.one_head:  # the draft's logits on the target's rows: this shard's, from the same pass when verifying
+            hd, h_draft = self.heads, every[self.ec.psm_dev, -1].astype(x_dtype)
+            target, drafted = jax.lax.cond(
+                st.valid[self.last], lambda a: hd.target_logits(jnp.stack(a)),
+                lambda a: jnp.stack([jnp.full((hd.vs.rows,), -jnp.inf, jnp.float32), hd.target_logits(a[1])]),
+                (h_verify, h_draft))
+            d = (drafted, hd.ids_v, hd.vs)
+        elif self.drafts:
             head, token_ids = self.drafter.spd_head(self.dparams, every[self.ec.psm_dev, -1].astype(x_draft.dtype),
                                                     cyc, self.ops)
             d = self.heads.draft_logits(head, token_ids)
         if self.ec.greedy:
-            return self.decide_greedy(st, loc, h_verify, d, token_ids)
-        return self.decide_sampled(st, loc, h_verify, d, token_ids)
+            return self.decide_greedy(st, loc, h_verify, d, token_ids, target)
+        return self.decide_sampled(st, loc, h_verify, d, token_ids, target)
 
-    def decide_greedy(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids) -> Decision:
+    def decide_greedy(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids, target=None) -> Decision:
         """Greedy: both argmaxes (the target's at p1, the draft's) from one all-gather of each shard's best
-        (`vocab.argmax`, two heads). d: the drafter head's (logits [rows], ids [rows], Shards) or None."""
+        (`vocab.argmax`, two heads). d: the drafter head's (logits [rows], ids [rows], Shards) or None; target:
+        the target's logits [rows] at h_verify when computed with the draft's (`one_head`), else computed here
+        only when a token is verified."""
         hd, ec, last = self.heads, self.ec, self.last
         verified, p1 = st.valid[last], st.t - last + 1
         has_next = st.valid[last - 1] if self.n > 1 else jnp.bool_(False)
         none = vary(vocab.shard_best(jnp.full((1,), -jnp.inf), jnp.zeros((1,), jnp.int32)), STAGE)
-        best = jnp.stack([jax.lax.cond(verified, lambda h: vocab.shard_best(hd.target_logits(h), hd.ids_v),
-                                       lambda h: none, h_verify)]
-                         + ([vocab.shard_best(d[0], d[1])] if self.drafts else []))  # [1 + drafts, 2]
+        if target is None:
+            verify = jax.lax.cond(verified, lambda h: vocab.shard_best(hd.target_logits(h), hd.ids_v),
+                                  lambda h: none, h_verify)
+        else:
+            verify = jnp.where(verified, vocab.shard_best(target, hd.ids_v), none)
+        best = jnp.stack([verify] + ([vocab.shard_best(d[0], d[1])] if self.drafts else []))  # [1 + drafts, 2]
         # split by rows, each shard's best token's embedding rides along (the device holds its row)
         packet = jnp.concatenate([best, vocab.as_words(hd.own_rows(best[:, 1]))], axis=-1) if ec.vocab_rows else best
         every_best = vocab.gather(packet, STAGE)  # [D, 1 + drafts, 2 (+ the row's words)]
@@ -366,7 +381,7 @@ class _Engine:
             emb_y, emb_d = hd.lookup(jnp.stack([y, draft]))
         return Decision(y, ok, draft, emb_y, emb_d, loc.qring)
 
-    def decide_sampled(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids) -> Decision:
+    def decide_sampled(self, st: LoopState, loc: StageCarry, h_verify, d, token_ids, target=None) -> Decision:
         """Sampling: the draft drawn from the drafter head's shards (its q [rows] kept in this stage's ring for
         its verification n - 1 cycles later), the token at p1 verified against its draft by the
         accept/reject rule (`verify_sampled`)."""
@@ -375,19 +390,21 @@ class _Engine:
             draft, q = hd.draft_sampled(*d, token_ids, t + 1)
             if self.sampled_drafts:
                 qring = qring.at[(t + 1) % self.n].set(q)
-        ok, y = jax.lax.cond(st.valid[self.last], lambda a: self.verify_sampled(*a),
-                             lambda a: (jnp.bool_(False), jnp.int32(0)), (st, loc._replace(qring=qring), h_verify))
+        given = target is not None  # the target's logits from the heads' one pass, else computed when verifying
+        ok, y = jax.lax.cond(st.valid[self.last], lambda a: self.verify_sampled(*a, given=given),
+                             lambda a: (jnp.bool_(False), jnp.int32(0)),
+                             (st, loc._replace(qring=qring), target if given else h_verify))
         emb_y, emb_d = hd.lookup(jnp.stack([y, draft]))  # one all-reduce of both rows when split by rows
         return Decision(y, ok, draft, emb_y, emb_d, qring)
 
-    def verify_sampled(self, st: LoopState, loc: StageCarry, h):
+    def verify_sampled(self, st: LoopState, loc: StageCarry, h, given: bool = False):
         """Every stage, on its vocabulary shard: the token at p leaves the last stage (h [H], its output,
-        on every device); its logits decide position p+1 (the same decision on every stage: it comes
-        out of collectives) -> (accepted, the token at p+1)."""
+        on every device; given: h is already this shard's target logits [rows]); its logits decide position
+        p+1 (the same decision on every stage: it comes out of collectives) -> (accepted, the token at p+1)."""
         hd, last, n = self.heads, self.last, self.n
         p1 = st.t - last + 1
         has_next = st.valid[last - 1] if n > 1 else jnp.bool_(False)
-        logits = hd.target_logits(h)
+        logits = h if given else hd.target_logits(h)
         drafted = st.seq[p1]
         # the draft at p1's q (read only when has_next; without drafts there is none)
         q_dist = loc.qring[p1 % n] if self.sampled_drafts else jnp.zeros((hd.vs.rows,), jnp.float32)

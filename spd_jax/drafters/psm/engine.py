@@ -38,6 +38,10 @@ class PSMDrafter:
         return self.spec.plan
 
     @property
+    def reads_target_head(self) -> bool:  # `PSMConfig.reads_target_head`
+        return self.spec.reads_target_head
+
+    @property
     def after_stage(self) -> None:  # it drafts from the states at the start of the cycle (early start)
         return None
 

@@ -110,6 +110,12 @@ class PSMConfig:
         return len(self.anchors)
 
     @property
+    def reads_target_head(self) -> bool:
+        """Its head is the target's (shared, frozen: no draft vocabulary, no head of its own): the SPD engine
+        then computes the draft's logits with the verification's, in one pass over each device's rows."""
+        return not self.draft_vocab and not self.own_head
+
+    @property
     def staircase(self) -> tuple[int, ...]:
         """f(d) for depths d = 0..n-1 (the deepest type whose anchors a token that passed d stages
         has), then the deepest type (completed tokens) as entry n."""
