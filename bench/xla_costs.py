@@ -13,7 +13,10 @@ Parts, each compiled for one token at a cache of --context positions (the cache 
   psm body       the random PSM's draft over the n + 1 rows of a full pipeline as the engine runs it (`PSMDrafter`:
                  its layers and cache one buffer each, the cache donated) against `cycle_costs`' psm_body
   psm head shard the same over the PSM's head
-and the cycle (every stage, the PSM body, both heads' shards on every device) summed. XLA counts the bytes
+  both heads     where the PSM's head is the target's (`CycleCosts.one_head`), the two as the engine runs them:
+                 two rows (the verification's and the draft's hidden states) of one dot over the shard
+and the cycle (every stage, the PSM body, both heads' shards on every device, in one pass where the engine
+makes one) summed. XLA counts the bytes
 of every operand and result of every (fused) instruction, a conditional as its costliest branch; the cost
 model counts weights and caches read once, and attention's float32 scores four times (`LayerKind.scores_bytes`:
 written, read by the softmax, written as probabilities, read; XLA:CPU passes over them about eight times, its
@@ -37,7 +40,7 @@ from spd_jax.models.costs import layer_costs
 from spd_jax.models.kinds import KINDS
 from spd_jax.models.layers import rope_cos_sin
 from spd_jax.pipeline import stages
-from spd_jax.costs.cycle import cycle_costs, default_plan
+from spd_jax.costs.cycle import cycle_costs, default_plan, one_pass_heads
 
 NOTES = {
     "bf16": "a one-row bf16 dot runs as two rows on CPU (`layers.low_precision_dot`: XLA:CPU's bf16 kernel needs two; "
@@ -119,9 +122,10 @@ def _layer_stacks(cfg: ModelConfig) -> dict:
                    for k, leaf in schema.layer_schema(cfg, kind).items()} for kind in schema.layer_kinds(cfg)}
 
 
-def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype) -> dict:
+def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype, x_rows: int = 1) -> dict:
     """Final norm + one device's rows of a [vocab, H] head as the engine reads them: its block where the head is
-    split by rows (devices divide vocab), else sliced out of the whole head."""
+    split by rows (devices divide vocab), else sliced out of the whole head; for x_rows hidden states at once
+    (2: the verification's and a draft's on the target's head, `CycleCosts.one_head`)."""
     rows = -(-vocab // devices)
     split = vocab % devices == 0
 
@@ -129,8 +133,8 @@ def head_shard(cfg: ModelConfig, vocab: int, devices: int, dtype) -> dict:
         return decoder.head_logits(h, norm, head, cfg, start, rows)
 
     H = cfg.hidden_size
-    return _cost(fn, _sds((H,), dtype), _sds((H,), dtype), _sds((rows if split else vocab, H), dtype),
-                 _sds((), jnp.int32))
+    return _cost(fn, _sds((x_rows, H) if x_rows > 1 else (H,), dtype), _sds((H,), dtype),
+                 _sds((rows if split else vocab, H), dtype), _sds((), jnp.int32))
 
 
 def psm_body(cfg: ModelConfig, spec: PSMConfig, context: int, dtype) -> dict:
@@ -193,8 +197,15 @@ def compare_config(cfg: ModelConfig, n: int, context: int, dtype: str = "float32
     psm_head = head_shard(cfg, spec.draft_vocab or cfg.vocab_size, cc.devices, dtype)
     row("psm head shard", cc.psm_head_shard.flops, cc.psm_head_shard.bytes, psm_head,
         NOTES["head"] if (spec.draft_vocab or cfg.vocab_size) % cc.devices else "")
-    cyc = {k: sum(p[k] for p in programs) + body[k] + (verify[k] + psm_head[k]) * cc.devices for k in ("flops", "bytes")}
-    heads = [cc.head_shard, cc.psm_head_shard]
+    heads = one_pass_heads(cc)
+    if cc.one_head:  # what the engine runs: both heads as two rows of one dot over the shard
+        both = head_shard(cfg, cfg.vocab_size, cc.devices, dtype, x_rows=2)
+        row("both heads in one pass (the engine's)", sum(c.flops for c in heads), sum(c.bytes for c in heads), both,
+            NOTES["head"] if sliced else "")
+        per_device = both
+    else:
+        per_device = {k: verify[k] + psm_head[k] for k in ("flops", "bytes")}
+    cyc = {k: sum(p[k] for p in programs) + body[k] + per_device[k] * cc.devices for k in ("flops", "bytes")}
     row("cycle (all devices)", sum(c.flops for st in cc.stages for c in st) + sum(c.flops for c in cc.psm_body)
         + cc.devices * sum(c.flops for c in heads), sum(c.bytes for st in cc.stages for c in st)
         + sum(c.bytes for c in cc.psm_body) + cc.devices * sum(c.bytes for c in heads), cyc)

@@ -93,15 +93,24 @@ def test_device_busy_and_predict_sanity():
     assert len(busy) == n and busy[-1] == max(busy)  # the PSM body sits on the last stage
     faster = cyc.device_busy(cfg, plan, psm, dataclasses.replace(_PLAIN, mem_bytes_per_s=2e11), context=256)
     assert all(f < b for f, b in zip(faster, busy))
-    # whole heads on the last stage: the same work in all, the last device much busier
-    last = cyc.device_busy(cfg, plan, psm, _PLAIN, context=256, heads="last")
-    assert sum(last) == pytest.approx(sum(busy), rel=1e-3) and last[-1] > busy[-1] and last[0] < busy[0]
-    assert cyc.imbalance(last) > cyc.imbalance(busy) >= 1
+    # whole heads on the last stage: the same work in all (a PSM with a head of its own: two heads either way),
+    # the last device much busier
+    own_psm = _psm_cfg(cfg, plan, own_head=True)
+    busy_own = cyc.device_busy(cfg, plan, own_psm, _PLAIN, context=256)
+    last = cyc.device_busy(cfg, plan, own_psm, _PLAIN, context=256, heads="last")
+    assert sum(last) == pytest.approx(sum(busy_own), rel=1e-3) and last[-1] > busy_own[-1] and last[0] < busy_own[0]
+    assert cyc.imbalance(last) > cyc.imbalance(busy_own) >= 1
+    # the target's own head (the default PSM's): both heads in one pass over each shard, its rows read once
+    assert cyc.cycle_costs(cfg, plan, psm, 256).one_head and not cyc.cycle_costs(cfg, plan, own_psm, 256).one_head
+    shard = cyc.cycle_costs(cfg, plan, psm, 256).head_shard
+    saved = [o - b for o, b in zip(busy_own, busy)]
+    hidden = cyc.cycle_costs(cfg, plan, psm, 256).hidden_bytes  # the draft's row, read beside the verification's
+    assert saved == pytest.approx([(shard.weight_bytes - hidden) / _PLAIN.mem_bytes_per_s] * n)
     # a draft vocabulary shrinks the device(s) that run the PSM's head only
     small_psm = _psm_cfg(cfg, plan, draft_vocab=1000)
     small = cyc.device_busy(cfg, plan, small_psm, _PLAIN, context=256, heads="last")
     assert small[:-1] == last[:-1] and small[-1] < last[-1]
-    assert all(a < b for a, b in zip(cyc.device_busy(cfg, plan, small_psm, _PLAIN, context=256), busy))
+    assert all(a < b for a, b in zip(cyc.device_busy(cfg, plan, small_psm, _PLAIN, context=256), busy_own))
 
     r = cyc.predict(cfg, n, psm, _PLAIN, context=256, S0=1.5)
     assert r["alpha"] == pytest.approx(1.5 * plan.max_layers / cfg.num_layers)
@@ -209,9 +218,11 @@ def test_fit_cpu_recovers_a_known_machine():
     assert hw.launch_s == pytest.approx(120e-6, rel=1e-6)
     assert hw.link_latency_s == pytest.approx(40e-6, rel=1e-6)
     assert not hw.projection and "AR step +0.00" in hw.assumes
-    # the fitted profile reproduces the measured parts and the AR step
+    # the fitted profile reproduces the measured parts and the AR step (a device's busy time: its stage and the
+    # heads, for this PSM on the target's head one part of both: `cycle.heads_shard_s`)
     busy = cyc.device_busy(cfg, plan, psm, hw, 300, param_bytes=4)
-    assert busy[1] == pytest.approx((prof["stage_ms"][1] + prof["verify_ms"] + prof["psm_head_ms"]) / 1e3)
+    cc = cyc.cycle_costs(cfg, plan, psm, 300, param_bytes=4)
+    assert busy[1] == pytest.approx(prof["stage_ms"][1] / 1e3 + cyc.heads_shard_s(cc, true))
     assert base.ar_step_s(cfg, hw, 300, 4) == pytest.approx(prof["ar_step_ms"] / 1e3)
     # an older profile, no AR step: one bandwidth
     one = dataclasses.replace(true, stage_efficiency=1.0)

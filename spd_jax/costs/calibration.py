@@ -154,7 +154,8 @@ def fit_cpu(profile: dict, cfg: ModelConfig, psm_cfg: PSMConfig, param_bytes: in
     *slopes, launch_s = _nonneg_lstsq(np.stack([*cols, np.ones_like(x)], 1), y)
     bw = 1.0 / slopes[-1] if slopes[-1] > 0 else float(np.max(x / y))  # no slope: the fastest part's rate
     stage_eff = slopes[-1] / slopes[0] if two and min(slopes) > 0 else 1.0
-    peak = bw * max(c.flops / c.bytes for p in parts for c in p if c.bytes)
+    # (the engine's one pass of both heads over a shard, `cycle.one_pass_heads`, among them: a two-row dot)
+    peak = bw * max(c.flops / c.bytes for p in [*parts, cycle.one_pass_heads(cc)] for c in p if c.bytes)
     coll = cycle.collectives(cc, "sharded")
     moved = sum(b if kind == "ppermute" else (cc.devices - 1) * b for kind, b, _ in coll)  # each device receives
     latency = max(0.0, (1e-3 * profile["comm_ms"] - moved / bw) / len(coll)) if coll else 0.0

@@ -84,6 +84,9 @@ class CycleCosts:
     psm_all_reduces: int = 0  # the same in the PSM body's layers
     head_axes: str = "stage"  # the heads' vocabulary split over "stage" (each row's devices alike) or "both"
     draft_rows: int = 0  # a draft vocabulary's rows per head shard (its head's rows are not the embedding's); 0: none
+    # the PSM's head is the target's (shared: no draft vocabulary, no head of its own), so each device computes
+    # both heads in one pass over its shard (`decode.spd`): the rows read once, the draft a second row of the dot
+    one_head: bool = False
 
     @property
     def n(self) -> int:
@@ -158,7 +161,8 @@ def cycle_costs(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig | None, co
     return CycleCosts(stages, embed_cost(cfg, param_bytes), head_cost(cfg, param_bytes),
                       head_cost(cfg, param_bytes, -(-cfg.vocab_size // D)), tuple(body), psm_head, psm_shard,
                       H * param_bytes, m, psm_device, cfg.vocab_size % D == 0, model, stage_ars, psm_ars, head_axes,
-                      dv if psm_cfg is not None and psm_cfg.draft_vocab else 0)
+                      dv if psm_cfg is not None and psm_cfg.draft_vocab else 0,
+                      getattr(psm_cfg, "reads_target_head", False))
 
 
 def _tp_psm_body(cfg: ModelConfig, body: Sequence[LayerCost], context: int, model: int, param_bytes: int,
@@ -282,12 +286,28 @@ def _busy_s(cc: CycleCosts, hw: Hardware, heads: str) -> list[float]:
     if cc.drafter:
         busy[cc.psm_device] += hw.part_s(cc.psm_body) + cc.psm_all_reduces * ar
     if heads == "sharded":
-        shards = sum(hw.part_s([h]) for h in (cc.head_shard, cc.psm_head_shard) if h is not None)
-        return [b + shards for b in busy]
+        return [b + heads_shard_s(cc, hw) for b in busy]
     busy[cc.n - 1] += hw.part_s([cc.head])
     if cc.drafter:
         busy[cc.psm_device] += hw.part_s([cc.psm_head])
     return busy
+
+
+def one_pass_heads(cc: CycleCosts) -> list[LayerCost]:
+    """The heads each device computes per cycle: its verification shard and the PSM head's shard, or with
+    `one_head` one dot of two rows over the shard (both heads' FLOPs, the rows read once, and the draft's row)."""
+    if cc.psm_head_shard is None:
+        return [cc.head_shard]
+    if cc.one_head:
+        h = cc.head_shard
+        return [dataclasses.replace(h, flops=h.flops + cc.psm_head_shard.flops,
+                                    state_bytes=h.state_bytes + cc.hidden_bytes)]
+    return [cc.head_shard, cc.psm_head_shard]
+
+
+def heads_shard_s(cc: CycleCosts, hw: Hardware) -> float:
+    """Seconds one device spends on its heads' shards per cycle (`one_pass_heads`, a part each)."""
+    return sum(hw.part_s([c]) for c in one_pass_heads(cc))
 
 
 def device_busy(cfg: ModelConfig, plan: StagePlan, psm_cfg: PSMConfig, hw: Hardware, context: int,

@@ -105,21 +105,22 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     psm_head_ms = median_ms(psm_head, psm_vars, x[0, 0], iters=iters)
 
     @jax.jit
-    def verify(params, x):
+    def verify(params, x):  # x [..., H] -> the argmax of each row over the shard
         head = decoder.lm_head(params, cfg)
-        return jnp.argmax(decoder.head_logits(x, params["final_norm"], head, cfg, 0, rows))
+        return jnp.argmax(decoder.head_logits(x, params["final_norm"], head, cfg, 0, rows), axis=-1)
 
     verify_ms = median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
 
-    # each device's whole work of a cycle as ONE call, as the engine runs it inside one program (one dispatch, not
-    # one per part): its stage (none on the PSM's own device), one shard of each head (the verification under a
-    # `lax.cond`, as `decode.spd` branches on `verified`: the two heads' dots are not merged) and, on the PSM's
-    # device, the body; the devices timed in turn (`round_robin_ms`), as they take turns on this host
+    # each device's whole work of a cycle that verifies a token as ONE call, as the engine runs it inside one
+    # program (one dispatch, not one per part): its stage (none on the PSM's own device), its shard of both heads
+    # (one two-row dot where the PSM's head is the target's, `decode.spd`'s one pass; else the verification under
+    # its `lax.cond` beside the PSM head) and, on the PSM's device, the body; the devices timed in turn
     head_params = {k: v for k, v in model.params.items() if k != "layers"}
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def device_work(with_stage: bool, with_body: bool, stage, head, v, pcache, h, verified):
-        out = [psm_head(v, x[0, 0]), jax.lax.cond(verified, lambda y: verify(head, y), lambda y: jnp.int32(0), x[0, 0])]
+        out = ([verify(head, jnp.stack([x[0, 0], x[0, 0] + 1]))] if psm_cfg.reads_target_head else
+               [psm_head(v, x[0, 0]), jax.lax.cond(verified, lambda y: verify(head, y), lambda y: jnp.int32(0), x[0, 0])])
         return out + ([one_stage(*stage, x)] if with_stage else []) + ([psm_body(v, pcache, h)] if with_body else [])
 
     def stage_of(s):  # stage s's weights, cache and program table; the PSM's own device has none
@@ -133,8 +134,7 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
     ar_step_ms = _ar_step_ms(model, context, iters)
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
                 verify_ms=verify_ms, ar_step_ms=ar_step_ms, device_ms=device_ms, psm_device=psm_device,
-                dispatch_ms=dispatch_ms,
-                comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters, devices), context=context, n=n,
+                dispatch_ms=dispatch_ms, comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters, devices), context=context, n=n,
                 stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; device_ms: per device "
                          "its stage, a shard of each head and (psm_device) the PSM body as one call, one dispatch; "
