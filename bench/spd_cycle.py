@@ -171,7 +171,9 @@ def device_report(model, plan, prof: dict, psm_layers: int, S0: float, project_c
     # call per device (`profile_cycle`'s device_ms: one dispatch, as the engine's one program), and as the sum
     # of its parts timed alone (a dispatch per part: 4 on the PSM's device, 3 elsewhere)
     measured, psm_device = list(prof["device_ms"]), prof["psm_device"]
-    parts_sum = [t + prof["verify_ms"] + prof["psm_head_ms"] for t in prof["stage_ms"] + ([0.0] if psm_device == n else [])]
+    # the heads: one pass for both where the PSM reads the target's head (about one shard's time), else two
+    heads_ms = prof["verify_ms"] + (0.0 if psm_cfg.reads_target_head else prof["psm_head_ms"])
+    parts_sum = [t + heads_ms for t in prof["stage_ms"] + ([0.0] if psm_device == n else [])]
     parts_sum[psm_device] += prof["psm_ms"]
     compute = [t - prof["dispatch_ms"] for t in measured]  # less one trivial call's dispatch each
     cpu_bytes = jnp.dtype(model.dtype).itemsize

@@ -113,29 +113,28 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
 
     # each device's whole work of a cycle that verifies a token as ONE call, as the engine runs it inside one
     # program (one dispatch, not one per part): its stage (none on the PSM's own device), its shard of both heads
-    # (one two-row dot where the PSM's head is the target's, `decode.spd`'s one pass; else the verification under
-    # its `lax.cond` beside the PSM head) and, on the PSM's device, the body; the devices timed in turn
+    # (one two-row dot: the PSM reads the target's head, `decode.spd`'s one pass) and, on the PSM's device, the
+    # body; the devices timed in turn
     head_params = {k: v for k, v in model.params.items() if k != "layers"}
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
-    def device_work(with_stage: bool, with_body: bool, stage, head, v, pcache, h, verified):
-        out = ([verify(head, jnp.stack([x[0, 0], x[0, 0] + 1]))] if psm_cfg.reads_target_head else
-               [psm_head(v, x[0, 0]), jax.lax.cond(verified, lambda y: verify(head, y), lambda y: jnp.int32(0), x[0, 0])])
+    def device_work(with_stage: bool, with_body: bool, stage, head, v, pcache, h):
+        out = [verify(head, jnp.stack([x[0, 0], x[0, 0] + 1]))]  # this profile's PSM reads the target's head
         return out + ([one_stage(*stage, x)] if with_stage else []) + ([psm_body(v, pcache, h)] if with_body else [])
 
     def stage_of(s):  # stage s's weights, cache and program table; the PSM's own device has none
         return tuple(jax.tree.map(lambda t, s=s: t[s], a) for a in (weights, caches, prog)) if s < n else ()
 
     device_ms = round_robin_ms([functools.partial(device_work, s < n, s == psm_device, stage_of(s), head_params,
-                                                  psm_vars, pcache, h, jnp.bool_(True)) for s in range(devices)],
+                                                  psm_vars, pcache, h) for s in range(devices)],
                                iters=iters)
     dispatch_ms = median_ms(jax.jit(lambda x: x + 1), x, iters=iters)
 
     ar_step_ms = _ar_step_ms(model, context, iters)
     return dict(stage_ms=stage_ms, slowest_stage_ms=max(stage_ms), psm_ms=psm_ms, psm_head_ms=psm_head_ms,
                 verify_ms=verify_ms, ar_step_ms=ar_step_ms, device_ms=device_ms, psm_device=psm_device,
-                dispatch_ms=dispatch_ms, comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters, devices), context=context, n=n,
-                stage_layers=list(plan.counts),
+                dispatch_ms=dispatch_ms, comm_ms=_comm_ms(n, psm_cfg.m, cfg.hidden_size, model.dtype, iters, devices),
+                context=context, n=n, stage_layers=list(plan.counts),
                 includes="each part: median wall time of one jitted call incl. host dispatch; device_ms: per device "
                          "its stage, a shard of each head and (psm_device) the PSM body as one call, one dispatch; "
                          "dispatch_ms: a trivial jitted call's; comm: per cycle, amortised over an on-device loop; "

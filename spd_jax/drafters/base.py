@@ -98,10 +98,9 @@ class SpdDrafter(Protocol):
     # early start); s: after stage s's step, on stage s's device, from what that stage just made (`SpdCycle.made`:
     # PPSD's early exit reads the newest token's state after stage 0), so the draft waits for that stage
     after_stage: int | None
-    # optional, default False: its head is the target's own rows in the target's order (the shared LM head), so
-    # the engine skips `spd_head` and computes the draft's logits and the verification's in one pass over each
-    # device's rows (one read of the shard, not two)
-    reads_target_head: bool
+    # Optional (not a member: the engine reads it with a False default), `reads_target_head: bool`: its head is the
+    # target's own rows in the target's order (the shared LM head), so the engine skips `spd_head` and computes the
+    # draft's logits with the verification's in one pass over each device's rows (one read of the shard, not two)
 
     def init(self, params: Any, cache_len: int, dtype) -> Any:
         """-> a fresh per-sequence state for positions [0, cache_len) (one copy per device)."""
