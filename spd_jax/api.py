@@ -289,9 +289,6 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     out_len = ar.round_up(max_len - 1, ar.OUT_BUCKET)  # per-row max_new bounds the loop: one shape per max_len
     # Prompts end at slot p_pad (ar.generate_batch), so the longest reply needs slots up to p_pad + out_len.
     cache_len = ar.round_up(p_pad + min(out_len, max_len - int(min(p.size for p in rows))), ar.CACHE_BUCKET)
-    batch = np.zeros((len(rows), p_pad), np.int32)
-    for i, p in enumerate(rows):
-        batch[i, :p.size] = p
     lens = np.asarray([p.size for p in rows], np.int32)
     eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
     if weights_dtype not in ("float32", "bfloat16"):
@@ -302,10 +299,8 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
             cast_matrices(params, weights_dtype), cast_matrices(layers, weights_dtype)))
     seeds = (np.asarray(row_seeds, np.uint32) if row_seeds is not None
              else (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32))
-    out, counts = ar.generate_batch(params, layers, jnp.asarray(batch),
-                                    jnp.asarray(lens), jnp.asarray(max_len - lens),
+    out, counts = ar.generate_batch(params, layers, rows, max_len - lens,
                                     jnp.asarray(eos if eos.size else np.array([-1], np.int32)), sp.runtime(),
-                                    jnp.asarray(seeds), cfg=cfg, greedy=sp.greedy, filtered=sp.filtered,
+                                    seeds, cfg=cfg, greedy=sp.greedy, filtered=sp.filtered,
                                     cache_len=cache_len, out_len=out_len)
-    out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, :counts[i]].tolist() for i in range(len(rows))]

@@ -96,6 +96,21 @@ def test_batch_generation_matches_one_sequence_at_a_time(tiny):
         spd_jax.generate_batch(model, prompts, max_len=20)
 
 
+def test_a_batch_shrinks_to_its_live_rows_and_each_row_is_still_its_own(tiny, monkeypatch):
+    """Rows that finish at different steps: the batch of 6 runs on at widths 4, 2, 1 as they finish (padding
+    rows repeat a live one, masked), and every row, finished early or late, is what `generate` gives alone."""
+    from spd_jax.decode import ar
+    model, _ = tiny
+    widths = []
+    real = ar._take_rows
+    monkeypatch.setattr(ar, "_take_rows", lambda carry, rows, keep, **k: widths.append(keep.size) or real(carry, rows, keep, **k))
+    prompts = [list(range(3, 3 + n)) for n in (30, 2, 25, 9, 14, 40)]  # max_new 18 .. 46: finishing one by one
+    got = spd_jax.generate_batch(model, prompts, max_len=48, temperature=1.0, seed=[7, 1, 4, 2, 9, 3], stop_at_eos=False)
+    assert widths == [4, 2, 1]
+    assert got == [spd_jax.generate(model, p, 48 - len(p), sampling=Sampling(temperature=1.0, seed=s),
+                                    stop_at_eos=False).token_ids for p, s in zip(prompts, [7, 1, 4, 2, 9, 3])]
+
+
 def test_sampling_is_seeded(tiny):
     model, _ = tiny
     a = spd_jax.generate(model, [1, 2, 3], 30, sampling=Sampling(temperature=1.0, seed=11), stop_at_eos=False).token_ids

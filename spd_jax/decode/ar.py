@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 
 from spd_jax.config import ModelConfig
@@ -108,44 +109,38 @@ def decode_loop(layers, head, first: jax.Array, prompt_len: jax.Array, caches: l
     return out, n, caches
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered", "cache_len", "out_len"))
-def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, max_new: jax.Array,
-                   eos_ids: jax.Array, sp: dict, seeds: jax.Array, *, cfg: ModelConfig, greedy: bool,
-                   filtered: bool, cache_len: int, out_len: int):
-    """B independent sequences in one program: prompts [B, P] (row b valid up to prompt_lens[b]),
-    max_new [B], seeds [B] (sampling) -> (tokens [B, out_len], counts [B]).
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _batch_rows(row_caches: list, start: jax.Array, *, cfg: ModelConfig) -> list:
+    """Per-row prefilled caches (a list over rows of per-layer lists, row b's prompt at slots [0, len_b))
+    -> one batch's per-layer caches whose prompts all end at slot P (start [B] = P - len_b)."""
+    stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *row_caches)  # vmap's layout: a leading row axis
+    return [KINDS[kind].align_rows(c, start) for kind, c in zip(cfg.layer_types, stacked)]
 
-    Each row is prefilled on its own (`prefill`, vmapped), its keys then moved so that every prompt
-    ends at slot P; decoding steps all rows at once with one shared write slot P + i - 1 (one
-    in-place slice per layer, not a per-row scatter) and per-row RoPE positions and first valid slots
-    (`decoder.decode_step`), so row b's tokens are the ones a batch of one gives, up to the matmuls'
-    summation order (and the weights' dtype: bf16 `layers`/params run the bf16 dots). Finished rows keep
-    stepping on garbage and only their outputs are masked: freezing them would select every carry,
-    caches included, at every step. Needs cache_len >= P + max(max_new) - 1. For bulk generation, not
-    latency."""
-    head = {k: v for k, v in params.items() if k != "layers"}
-    B, P = prompts.shape
 
-    def prefill_row(prompt, plen, seed):
-        return prefill(params, prompt[None], plen, dict(sp, seed=seed), cfg=cfg, greedy=greedy, filtered=filtered,
-                       cache_len=cache_len)
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy", "filtered"), donate_argnames=("carry",))
+def _decode_rows(layers, head, carry: tuple, rows: tuple, eos_ids: jax.Array, sp: dict, p_end: jax.Array,
+                 stop_live: jax.Array, *, cfg: ModelConfig, greedy: bool, filtered: bool) -> tuple:
+    """Step every row of a batch until all are done, the output is full, or at most stop_live rows are
+    still live (the caller then shrinks the batch to them) -> the carry.
 
-    first, caches = jax.vmap(prefill_row)(prompts, prompt_lens, seeds)  # [B], per-row caches
-    start = P - prompt_lens  # [B] each row's first valid slot once aligned
-    # each layer's per-row caches -> one batch whose prompts end at slot P (`LayerKind.align_rows`)
-    caches = [KINDS[kind].align_rows(c, start) for kind, c in zip(cfg.layer_types, caches)]
-    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos_ids) | (max_new <= 1)
+    carry: (i [] the next output index, tok [B] the last token, per-layer caches, out [B, out_len], done [B],
+    count [B]); rows: (prompt_lens, start, max_new, seeds) [B] each; p_end: the slot where every prompt ends.
+    All rows write the one slot p_end + i - 1 (one in-place slice per layer, not a per-row scatter), with
+    per-row RoPE positions and first valid slots (`decoder.decode_step`). Finished rows keep stepping on
+    garbage and only their outputs are masked: freezing them would select every carry, caches included,
+    at every step."""
+    prompt_lens, start, max_new, seeds = rows
+    out_len = carry[3].shape[1]
     choose_rows = jax.vmap(lambda logits, pos, seed: choose(logits, pos, dict(sp, seed=seed), greedy, filtered))
 
     def cond(c):
         i, _, _, _, done, _ = c
-        return (i < out_len) & ~jnp.all(done)
+        return (i < out_len) & (jnp.sum(~done) > stop_live)
 
     def body(c):
         i, tok, caches, out, done, count = c
         positions = prompt_lens + i - 1  # of `tok`, per row
-        logits, caches = decoder.decode_step(layers, head, tok[:, None], caches, P + i - 1, cfg,
+        logits, caches = decoder.decode_step(layers, head, tok[:, None], caches, p_end + i - 1, cfg,
                                              positions=positions, start=start, attn_block=ATTN_BLOCK)
         nxt = choose_rows(logits[:, 0], positions + 1, seeds)
         live = ~done
@@ -153,6 +148,68 @@ def generate_batch(params, layers, prompts: jax.Array, prompt_lens: jax.Array, m
         done = done | jnp.isin(nxt, eos_ids) | (i + 1 >= max_new)
         return i + 1, nxt, caches, out, done, count + live
 
-    _, _, _, out, _, count = jax.lax.while_loop(cond, body, (jnp.int32(1), first, caches, out, done,
-                                                             jnp.ones((B,), jnp.int32)))
-    return out, count
+    return jax.lax.while_loop(cond, body, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _take_rows(carry: tuple, rows: tuple, keep: jax.Array, *, cfg: ModelConfig) -> tuple[tuple, tuple]:
+    """The carry and row arrays of `_decode_rows` -> those of the rows `keep` [B'] alone."""
+    i, tok, caches, out, done, count = carry
+    caches = [KINDS[kind].take_rows(c, keep) for kind, c in zip(cfg.layer_types, caches)]
+    return (i, tok[keep], caches, out[keep], done[keep], count[keep]), tuple(r[keep] for r in rows)
+
+
+def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarray, eos_ids: jax.Array, sp: dict,
+                   seeds: np.ndarray, *, cfg: ModelConfig, greedy: bool, filtered: bool, cache_len: int,
+                   out_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """B independent sequences: prompts (B arrays of ids), max_new [B], seeds [B] (sampling) -> (tokens
+    [B, out_len], counts [B]), row b as a batch of one gives it, up to the matmuls' summation order (and
+    the weights' dtype: bf16 `layers`/params run the bf16 dots).
+
+    Each row is prefilled alone at its own length bucket (`prefill`: a batch of prompts padded to the
+    longest would spend most of its prefill on padding), then the caches are moved so that every prompt
+    ends at slot P, the longest's bucket. Decoding steps the rows together (`_decode_rows`); once at most
+    half of them are live the batch shrinks to the next power of two above the live rows (`_take_rows`),
+    so a batch waiting for its longest reply does not step its finished rows all the way. Needs cache_len
+    >= P + max(max_new) - 1. For bulk generation, not latency."""
+    B = len(prompts)
+    lens = np.asarray([p.size for p in prompts], np.int32)
+    p_end = round_up(int(lens.max()), PROMPT_BUCKET)
+    firsts, row_caches = [], []
+    for p, seed in zip(prompts, seeds):
+        row = np.zeros((1, round_up(p.size, PROMPT_BUCKET)), np.int32)
+        row[0, :p.size] = p
+        first, c = prefill(params, jnp.asarray(row), jnp.int32(p.size), dict(sp, seed=jnp.uint32(seed)), cfg=cfg,
+                           greedy=greedy, filtered=filtered, cache_len=cache_len)
+        firsts.append(first)
+        row_caches.append(c)
+    first = jnp.stack(firsts)
+    caches = _batch_rows(row_caches, jnp.asarray(p_end - lens), cfg=cfg)
+    del row_caches
+    rows = tuple(jnp.asarray(a) for a in (lens, p_end - lens, np.asarray(max_new, np.int32),
+                                          np.asarray(seeds, np.uint32)))
+    out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids) | (rows[2] <= 1)
+    carry = (jnp.int32(1), first, caches, out, done, jnp.ones((B,), jnp.int32))
+    tokens, counts = np.zeros((B, out_len), np.int32), np.zeros((B,), np.int32)
+    slot_row = np.arange(B)  # the prompt each slot of the running batch holds, -1 for padding
+    while True:
+        width = slot_row.size
+        carry = _decode_rows(layers, params_head(params), carry, rows, eos_ids, sp, jnp.int32(p_end),
+                             jnp.int32(width // 2 if width > 1 else 0), cfg=cfg, greedy=greedy, filtered=filtered)
+        done_h, out_h, count_h = (np.asarray(a) for a in (carry[4], carry[3], carry[5]))
+        real = slot_row >= 0
+        tokens[slot_row[real]], counts[slot_row[real]] = out_h[real], count_h[real]
+        live = np.flatnonzero(~done_h & real)
+        if live.size == 0 or int(carry[0]) >= out_len:
+            return tokens, counts
+        keep = np.full(1 << (live.size - 1).bit_length(), live[0])  # padding repeats a live row, marked done
+        keep[:live.size] = live
+        carry, rows = _take_rows(carry, rows, jnp.asarray(keep), cfg=cfg)
+        carry = carry[:4] + (carry[4].at[live.size:].set(True),) + carry[5:]
+        slot_row = np.where(np.arange(keep.size) < live.size, slot_row[keep], -1)
+
+
+def params_head(params) -> dict:
+    """The embedding, final norm (and LM head) of params: what a decode step reads besides the layers."""
+    return {k: v for k, v in params.items() if k != "layers"}

@@ -11,7 +11,7 @@ the library that runs, places, counts or rewinds layers asks the kind, never whi
   `scan_run(...)`: a run of same-kind layers of a stack, one `lax.scan`;
 - rollback: an attention cache rewinds for free (entries past the position are masked); a Gated DeltaNet
   ring restores the state of k tokens ago by position (`deltanet`); `align_rows` moves per-row prefilled
-  caches into one batch whose prompts end at the same slot;
+  caches into one batch whose prompts end at the same slot, `take_rows` shrinks a batch to its live rows;
 - cost: `context_flops`, `state_bytes` and `scores_bytes` per decoded token (`models.costs.kind_cost` adds
   the weights'; `every_row_leaves` what a block's non-querying tokens run),
   and `tp_mixer_axes`, the logical axes whose split splits the mixer's context work and its cache.
@@ -119,6 +119,10 @@ class Attention(LayerKind):
         to the front lies before the row's start and is masked."""
         roll = jax.vmap(lambda t, s: jnp.roll(t, s, axis=1))  # per row, over the cache axis of [Nkv, S, D]
         return KVCache(roll(cache.k[:, 0], shift), roll(cache.v[:, 0], shift))
+
+    def take_rows(self, cache: KVCache, rows: jax.Array) -> KVCache:
+        """A decode batch's layer cache, k/v [B, Nkv, S, D] -> the rows [B'] of it (a batch shrunk to its live rows)."""
+        return KVCache(cache.k[rows], cache.v[rows])
 
     def context_flops(self, cfg: ModelConfig, context_len: int) -> int:
         """Scores and weighted values over the context, per query head."""
@@ -276,6 +280,10 @@ class GatedDeltaNet(LayerKind):
         """Recurrent states carry no positions: vmap's per-row [B, 1, R, 1, ...] becomes the batch axis
         [1, R, B, ...]."""
         return jax.tree.map(lambda t: jnp.moveaxis(t[:, :, :, 0], 0, 2), cache)
+
+    def take_rows(self, cache: LinearState, rows: jax.Array) -> LinearState:
+        """A decode batch's one-layer ring, [1, R, B, ...] -> the rows [B'] of it."""
+        return jax.tree.map(lambda t: jnp.take(t, rows, axis=2), cache)
 
     def context_flops(self, cfg: ModelConfig, context_len: int) -> int:
         """Decay, S^T k, rank-1 update, S^T q: ~4 passes over the state, plus the conv."""
