@@ -72,6 +72,23 @@ def test_killed_runs_resume_and_other_settings_are_refused(tiny, prompts, tmp_pa
     assert not replies.verify(tiny, tmp_path, SETTINGS, 0)["equal"]
 
 
+def test_chunks_made_together_are_batched_by_length_and_hold_the_same_replies(tiny, prompts, tmp_path, monkeypatch):
+    """group=2: both chunks' greedy prompts run as batches sorted by length across the chunks (lengths 3, 5, 9,
+    12 then 20, not a chunk at a time); each chunk's file holds what a chunk-at-a-time run writes, its record
+    names the group, and verify regenerates the group."""
+    replies.run(tiny, tmp_path / "alone", SETTINGS, show_progress=False)
+    batches = []
+    real = spd_jax.generate_batch
+    monkeypatch.setattr(replies.spd_jax, "generate_batch",
+                        lambda *a, **k: batches.append([len(p) for p in a[1]]) or real(*a, **k))
+    assert replies.run(tiny, tmp_path / "together", SETTINGS, group=2, show_progress=False)["chunks_done"] == 2
+    assert batches[0] == [3, 5, 9, 12] and batches[1] == [20]
+    alone, together = (json.loads((tmp_path / d / "manifest.json").read_text())["chunks"] for d in ("alone", "together"))
+    assert [together[c]["digest"] for c in "01"] == [alone[c]["digest"] for c in "01"]
+    assert together["1"]["group"] == [0, 1] and alone["1"]["group"] == [1]
+    assert replies.verify(tiny, tmp_path / "together", SETTINGS, 1)["equal"]
+
+
 def test_a_kept_corpus_resumes_without_its_prompt_list(tiny, prompts, tmp_path, monkeypatch):
     """What git keeps (manifest and compact chunks, no prompts.npz) resumes: the prompt list is derived
     again and checked against the manifest's digest; another list is refused."""

@@ -2,7 +2,7 @@
 
     python -m train.replies --out DIR [--sources gsm8k,sharegpt] [--samples 2] [--max-len 512]
                             [--batch 32] [--limit N] [--weights-dtype float32] [--chunks K]
-                            [--start-chunk C] [--minutes M]
+                            [--start-chunk C] [--minutes M] [--group G]
     python -m train.replies --out DIR --verify I        # regenerate chunk I and compare its digest
 
 A drafter is judged on the target's own continuations, and the one lever measured to help on the CPU is
@@ -18,7 +18,9 @@ Each prompt gets the greedy reply (sample 0) and --samples replies at T = 1, top
 seeded by (seed, prompt index, sample) so a reply does not depend on the batch it ran in; a reply ends
 after EOS or at max_len tokens in all. Work goes in chunks of --chunk prompts, each written atomically
 when done (`chunk-NNNNN.npz`), so a killed run resumes at the first missing chunk: run it under `nice` in
-the background and start it again until done. manifest.json holds what regenerates the corpus: the
+the background and start it again until done. --group chunks run together, their prompts sorted by length
+into batches of --batch (a batch reads its cache from its longest prompt's slot on, so mixing lengths costs
+decode time; docs/train/replies.md). manifest.json holds what regenerates the corpus: the
 settings, the model (weights fingerprint, chat-template digest), the prompt list's digest, and per chunk
 its sequences, response positions, the code identity that made it (digest of the modules that compute
 a token, jax version, backend) and a digest of its tokens, which `--verify` checks by regenerating.
@@ -113,10 +115,12 @@ def unit_seed(seed: int, prompt: int, sample: int, samples: int) -> int:
     return (seed + prompt * (samples + 1) + sample) % 2**32
 
 
-def generate_chunk(model, prompts: list[np.ndarray], index: np.ndarray, s: dict) -> dict:
-    """The replies of prompts[index] (greedy, then s["samples"] sampled each) -> the chunk's arrays:
-    ids (sequences concatenated), offsets, prompt_len, prompt (index into the prompt list), sample."""
-    units = [(int(p), k) for k in range(s["samples"] + 1) for p in index]
+def generate_chunks(model, prompts: list[np.ndarray], indices: list[np.ndarray], s: dict) -> list[dict]:
+    """The replies of prompts[index] for each index (a chunk's prompts; greedy, then s["samples"] sampled
+    each) -> each chunk's arrays: ids (sequences concatenated), offsets, prompt_len, prompt (index into the
+    prompt list), sample. The chunks' prompts run together, sorted by length into batches of s["batch"]:
+    a batch's cache is read from its longest prompt's slot on, so prompts of one length share batches."""
+    units = [(int(p), k) for k in range(s["samples"] + 1) for index in indices for p in index]
     seqs: dict[tuple[int, int], np.ndarray] = {}
     for greedy in (True, False):
         todo = sorted((u for u in units if (u[1] == 0) == greedy), key=lambda u: (len(prompts[u[0]]), u))
@@ -128,11 +132,16 @@ def generate_chunk(model, prompts: list[np.ndarray], index: np.ndarray, s: dict)
                                          weights_dtype=s["weights_dtype"], **sample)
             for (p, k), g in zip(batch, out):
                 seqs[(p, k)] = np.concatenate([prompts[p], np.asarray(g, np.int32)])
-    order = sorted(seqs)
-    full = [seqs[u] for u in order]
-    return dict(ids=np.concatenate(full), offsets=np.cumsum([0] + [len(x) for x in full]),
-                prompt_len=np.asarray([len(prompts[p]) for p, _ in order], np.int32),
-                prompt=np.asarray([p for p, _ in order], np.int64), sample=np.asarray([k for _, k in order], np.int32))
+    chunks = []
+    for index in indices:
+        mine = set(index.tolist())
+        order = sorted(u for u in seqs if u[0] in mine)
+        full = [seqs[u] for u in order]
+        chunks.append(dict(ids=np.concatenate(full), offsets=np.cumsum([0] + [len(x) for x in full]),
+                           prompt_len=np.asarray([len(prompts[p]) for p, _ in order], np.int32),
+                           prompt=np.asarray([p for p, _ in order], np.int64),
+                           sample=np.asarray([k for _, k in order], np.int32)))
+    return chunks
 
 
 def chunk_record(arrays: dict) -> dict:
@@ -273,37 +282,49 @@ def totals(manifest: dict) -> dict:
 
 
 def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: bool = True, start: int = 0,
-        deadline: float | None = None) -> dict:
+        deadline: float | None = None, group: int = 1) -> dict:
     """Generate the missing chunks (at most `chunks` of them), from chunk `start` on (then wrapping round
-    to the first: two machines filling one corpus start far apart), stopping after the chunk that passes
-    `deadline` (a `time.time()`) -> the totals."""
+    to the first: two machines filling one corpus start far apart), `group` chunks at a time (their
+    prompts batched together by length, `generate_chunks`; a killed run loses the group), starting no
+    group after `deadline` (a `time.time()`) -> the totals. Each chunk's record names its group, which
+    `verify` regenerates: a reply depends on its batch only through the matmuls' summation order."""
     manifest, _, prompts = open_corpus(model, out, s)
     order = np.asarray(manifest["order"])
     total = totals(manifest)["chunks_total"]
     todo = [c % total for c in range(start, start + total) if str(c % total) not in manifest["chunks"]]
     todo = todo[:chunks] if chunks is not None else todo
     code = code_identity()
-    bar = progress_bar(todo, desc="reply chunks", unit="chunk", disable=not show_progress)
-    for c in bar:
+    bar = progress_bar(total=len(todo), desc="reply chunks", unit="chunk", disable=not show_progress)
+    for g in range(0, len(todo), max(1, group)):
         if deadline is not None and time.time() > deadline:
             break
-        arrays = generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s)
-        write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
-        manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code)
+        cs = todo[g:g + max(1, group)]
+        for c, arrays in zip(cs, generate_chunks(model, prompts, [chunk_prompts(order, s, c) for c in cs], s)):
+            write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
+            manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code, group=cs)
         save_manifest(out, manifest)
-        t = totals(manifest)
-        bar.set_postfix(positions=t["positions"], refresh=False)
+        bar.update(len(cs))
+        bar.set_postfix(positions=totals(manifest)["positions"], refresh=False)
+    bar.close()
     return totals(manifest)
 
 
+def chunk_prompts(order: np.ndarray, s: dict, c: int) -> np.ndarray:
+    """Chunk c's prompts: its slice of the corpus's seeded order."""
+    return order[c * s["chunk"]:(c + 1) * s["chunk"]]
+
+
 def verify(model, out: Path, s: dict, c: int) -> dict:
-    """Regenerate chunk c and compare it with the manifest's record -> {recorded, regenerated, equal}."""
+    """Regenerate chunk c, with the chunks it was made with (its record's group), and compare it with the
+    manifest's record -> {recorded, regenerated, equal}."""
     manifest, _, prompts = open_corpus(model, out, s)
     if str(c) not in manifest["chunks"]:
         raise ValueError(f"chunk {c} of {out} is not done yet; done: {sorted(map(int, manifest['chunks']))[:10]}...")
     order = np.asarray(manifest["order"])
-    rec = chunk_record(generate_chunk(model, prompts, order[c * s["chunk"]:(c + 1) * s["chunk"]], s))
     was = manifest["chunks"][str(c)]
+    cs = was.get("group", [c])
+    made = generate_chunks(model, prompts, [chunk_prompts(order, s, x) for x in cs], s)
+    rec = chunk_record(made[cs.index(c)])
     return dict(chunk=c, recorded=was["digest"], regenerated=rec["digest"], equal=was["digest"] == rec["digest"],
                 code_then=was["code"], code_now=code_identity()["code"])
 
@@ -325,7 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, help="stop after this many new chunks")
     ap.add_argument("--start-chunk", type=int, default=0, metavar="C",
                     help="begin at chunk C (then wrap round): another machine filling the same corpus starts far away")
-    ap.add_argument("--minutes", type=float, help="start no new chunk after this many minutes")
+    ap.add_argument("--minutes", type=float, help="start no new group of chunks after this many minutes")
+    ap.add_argument("--group", type=int, default=4, metavar="G",
+                    help="chunks generated together, their prompts batched by length (a killed run loses the group)")
     ap.add_argument("--verify", type=int, metavar="I", help="regenerate chunk I and compare it with the manifest")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -333,7 +356,7 @@ def main(argv=None) -> int:
         a, b = (int(x) for x in args.heldout.split(":"))
     except ValueError:
         ap.error(f"--heldout must be START:STOP (two integers), got {args.heldout!r}")
-    for name in ("samples", "max_len", "batch", "chunk", "limit", "chunks"):
+    for name in ("samples", "max_len", "batch", "chunk", "limit", "chunks", "group"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "samples" else 1):
             ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'samples' else 1}, got {v}")
@@ -347,7 +370,7 @@ def main(argv=None) -> int:
             return 0
         deadline = None if args.minutes is None else time.time() + 60 * args.minutes
         print(json.dumps(dict(out=str(args.out), **run(model, args.out, s, args.chunks, start=args.start_chunk,
-                                                       deadline=deadline))))
+                                                       deadline=deadline, group=args.group))))
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
