@@ -76,20 +76,30 @@ def _run(tmp_path, name, **config):
 
 def test_runs_that_may_have_trained_on_the_heldout_set_are_refused(tmp_path):
     ok = _run(tmp_path, "a", limit=400)
-    heldout.check_runs([ok], offset=400)
+    heldout.check_runs([ok], offset=400, count=32)
     with pytest.raises(ValueError, match=r"every conversation .* \(no limit\), so none is held out: .* limit=N"):
-        heldout.check_runs([ok, _run(tmp_path, "b")], offset=400)
+        heldout.check_runs([ok, _run(tmp_path, "b")], offset=400, count=32)
     with pytest.raises(ValueError, match=r"conversations 0 \.\. 499 .* overlaps .* pass --offset 500"):
-        heldout.check_runs([_run(tmp_path, "c", limit=500)], offset=400)
+        heldout.check_runs([_run(tmp_path, "c", limit=500)], offset=400, count=32)
     with pytest.raises(ValueError, match="has max_len=256, .* one held-out set"):
-        heldout.check_runs([ok, _run(tmp_path, "d", limit=400, max_len=256)], offset=400)
+        heldout.check_runs([ok, _run(tmp_path, "d", limit=400, max_len=256)], offset=400, count=32)
     with pytest.raises(ValueError, match="has method='eagle3', .* one objective"):
-        heldout.check_runs([ok, _run(tmp_path, "e", limit=400, method="eagle3")], offset=400)
+        heldout.check_runs([ok, _run(tmp_path, "e", limit=400, method="eagle3")], offset=400, count=32)
     # a warm start's own training data is unknown here
     with pytest.raises(ValueError, match="started from spd_jax/psms/x \\(init_from\\)"):
-        heldout.check_runs([_run(tmp_path, "f", limit=400, init_from="spd_jax/psms/x")], offset=400)
+        heldout.check_runs([_run(tmp_path, "f", limit=400, init_from="spd_jax/psms/x")], offset=400, count=32)
     with pytest.raises(FileNotFoundError, match="not a training run directory"):
         heldout.read_run(tmp_path / "missing")
+    # a run on a replies corpus is held out by the corpus's own --heldout range
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps(dict(settings=dict(heldout=[400, 500]))))
+    on_replies = _run(tmp_path, "g", replies=str(corpus))
+    heldout.check_runs([on_replies, ok], offset=400, count=100)
+    with pytest.raises(ValueError, match=r"holding out conversations 400 \.\. 499 .* held-out set 450 \.\. 549"):
+        heldout.check_runs([on_replies], offset=450, count=100)
+    with pytest.raises(ValueError, match="init_from"):
+        heldout.check_runs([_run(tmp_path, "h", replies=str(corpus), init_from="spd_jax/psms/x")], offset=400, count=32)
 
 
 def test_runs_compare_at_the_positions_all_reached():

@@ -172,3 +172,12 @@ def test_training_reads_the_finished_chunks(tiny, prompts, tmp_path):
         train_corpus.encode_corpus(tiny, TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=32)))
     with pytest.raises(ValueError, match="drop responses='target'"):
         TrainConfig.from_dict(dict(replies=str(tmp_path), responses="target"))
+    # replies_chunks: the first chunks alone, the same data however far the corpus has grown
+    first = TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=40, replies_chunks=1))
+    with pytest.raises(ValueError, match=r"replies_chunks=2: chunks \[1\] .* are not finished \(1 of 2\)"):
+        train_corpus.encode_corpus(tiny, TrainConfig.from_dict(dict(replies=str(tmp_path), max_len=40, replies_chunks=2)))
+    replies.run(tiny, tmp_path, SETTINGS, show_progress=False)
+    assert len(train_corpus.encode_corpus(tiny, tc)) == 15
+    assert [a.tolist() for a, _ in train_corpus.encode_corpus(tiny, first)] == [a.tolist() for a, _ in seqs]
+    with pytest.raises(ValueError, match="replies_chunks=3 needs replies=DIR"):
+        TrainConfig.from_dict(dict(replies_chunks=3))

@@ -108,6 +108,9 @@ class DataConfig:
     # a `train.replies` corpus directory: its finished chunks (the target's greedy and sampled replies to
     # every turn of the sources) are the data, in place of sources/limit/responses
     replies: str | None = None
+    # train on that corpus's chunks 0 .. N-1 alone (each must be finished): runs compared at one size read the
+    # same data however far the corpus has grown since
+    replies_chunks: int | None = None
     limit: int | None = None  # conversations per source (small runs and tests)
     # conversations per source passed over before `limit` starts counting: a later slice of the corpus
     # (e.g. a new round of self-distillation on prompts an earlier round did not answer)
@@ -294,6 +297,8 @@ class TrainConfig:
         if da.replies is not None and da.responses != "dataset":
             raise ConfigError(f"replies={da.replies!r} is a corpus of the target's replies already; drop "
                               f"responses={da.responses!r}")
+        if da.replies_chunks is not None and (da.replies is None or da.replies_chunks < 1):
+            raise ConfigError(f"replies_chunks={da.replies_chunks} needs replies=DIR and at least 1 chunk")
         if dr.ttt_steps < 1 or dr.eval_k < 1:
             raise ConfigError(f"ttt_steps ({dr.ttt_steps}) and eval_k ({dr.eval_k}) must be at least 1")
         if dr.hard_weight and not dr.kind.staged:

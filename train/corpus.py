@@ -25,7 +25,7 @@ def encode_corpus(model, tc: TrainConfig, cache_dir: Path | None = None) -> list
     with responses "target", the first turns answered by the target instead (`train.distill`); with
     replies, that corpus's finished chunks (`train.replies`)."""
     if tc.data.replies is not None:
-        return replies.training_corpus(model, Path(tc.data.replies), tc.data.max_len)
+        return replies.training_corpus(model, Path(tc.data.replies), tc.data.max_len, tc.data.replies_chunks)
     if tc.data.responses == "target":
         return distill.distilled_corpus(model, tc, cache_dir)
     path = cache_dir / f"corpus-{data.corpus_key(model, tc)}.npz" if cache_dir else None

@@ -70,7 +70,7 @@ def read_run(path: Path) -> Run:
     return Run(path, TrainConfig.from_dict(json.loads(rec.read_text())["config"]))
 
 
-def check_runs(runs: list[Run], offset: int) -> None:
+def check_runs(runs: list[Run], offset: int, count: int) -> None:
     """One target, method and data definition for all; none may have seen the held-out conversations."""
     first = runs[0].tc
     for r in runs:
@@ -81,17 +81,33 @@ def check_runs(runs: list[Run], offset: int) -> None:
                                  "runs are compared on one held-out set of one target's replies with one objective; "
                                  "compare like runs")
         d = r.tc.data
-        if d.limit is None:
+        if d.replies is not None:
+            check_replies_heldout(r, offset, count)
+        elif d.limit is None:
             raise ValueError(f"{r.path} trained on every conversation of {', '.join(d.sources)} (no limit), so none is "
                              f"held out: train the runs to compare with limit=N (N <= --offset {offset})")
-        end = d.skip + d.limit
-        if end > offset:
-            raise ValueError(f"{r.path} trained on conversations {d.skip} .. {end - 1} of each source, which "
-                             f"overlaps the held-out set from --offset {offset}: pass --offset {end} (or more)")
+        elif d.skip + d.limit > offset:
+            raise ValueError(f"{r.path} trained on conversations {d.skip} .. {d.skip + d.limit - 1} of each source, "
+                             f"which overlaps the held-out set from --offset {offset}: pass --offset "
+                             f"{d.skip + d.limit} (or more)")
         if r.tc.drafter.init_from:
             raise ValueError(f"{r.path} started from {r.tc.drafter.init_from} (init_from), whose training data is not "
                              "checked "
                              "against the held-out set: compare runs that start from the target or at random")
+
+
+def check_replies_heldout(run: Run, offset: int, count: int) -> None:
+    """A run on a `train.replies` corpus (`replies=DIR`): the corpus must have kept conversations offset ..
+    offset + count - 1 of each source out (its `--heldout` range; it also drops any prompt repeating one of
+    their first turns)."""
+    manifest = Path(run.tc.data.replies).expanduser() / "manifest.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{run.path} trained on replies={run.tc.data.replies}, which has no manifest.json")
+    a, b = json.loads(manifest.read_text())["settings"]["heldout"]
+    if not a <= offset < offset + count <= b:
+        raise ValueError(f"{run.path} trained on a replies corpus holding out conversations {a} .. {b - 1} of each "
+                         f"source, which does not cover the held-out set {offset} .. {offset + count - 1}: pass "
+                         f"--offset and --count within {a} .. {b - 1}")
 
 
 def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> tuple[list[np.ndarray], int]:
@@ -364,11 +380,12 @@ def main(argv=None) -> int:
         runs = [read_run(p) for p in args.runs]
         if len({r.path.name for r in runs}) < len(runs):
             raise ValueError("two runs share a directory name, which the report names them by: rename one")
-        check_runs(runs, args.offset)
+        check_runs(runs, args.offset, args.count)
         tc = runs[0].tc
         model = spd_jax.load_model(tc.model.name)
         scored = [checkpoints_to_score(r, steps) for r in runs]
-        seen = max(r.tc.data.skip + r.tc.data.limit for r in runs)
+        # a replies corpus has dropped its own repeats of held-out first turns: nothing of it to drop here
+        seen = max(0 if r.tc.data.replies else r.tc.data.skip + r.tc.data.limit for r in runs)
         seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

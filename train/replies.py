@@ -167,13 +167,22 @@ def check_chunk(arrays: dict, record: dict) -> bool:
     return {k: record.get(k) for k in got} == got
 
 
-def read_corpus(out: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every chunk the manifest records of a replies corpus -> [(ids [T], loss_mask [T])], loss_mask[t]
-    where t + 1 is a reply token (the training corpus's form). A chunk file without a record (a run killed
-    between the two writes) is not read: the next run writes it again."""
+def read_corpus(out: Path, chunks: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every chunk the manifest records of a replies corpus (or chunks 0 .. chunks-1, each of which must be
+    recorded) -> [(ids [T], loss_mask [T])], loss_mask[t] where t + 1 is a reply token (the training
+    corpus's form). A chunk file without a record (a run killed between the two writes) is not read: the
+    next run writes it again."""
     out = Path(out)
+    done = sorted(map(int, json.loads((out / "manifest.json").read_text())["chunks"]))
+    if chunks is not None:
+        missing = sorted(set(range(chunks)) - set(done))
+        if missing:
+            raise ValueError(f"replies_chunks={chunks}: chunks {missing[:5]}{'...' if len(missing) > 5 else ''} of "
+                             f"{out} are not finished ({len(missing)} of {chunks}); let `python -m train.replies --out "
+                             f"{out}` run, or ask for fewer")
+        done = list(range(chunks))
     seqs = []
-    for c in sorted(map(int, json.loads((out / "manifest.json").read_text())["chunks"])):
+    for c in done:
         arrays = load_chunk(out / f"chunk-{c:05d}.npz")
         ids, off, plen = arrays["ids"], arrays["offsets"], arrays["prompt_len"]
         for a, b, n in zip(off[:-1], off[1:], plen):
@@ -183,10 +192,11 @@ def read_corpus(out: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     return seqs
 
 
-def training_corpus(model, out: Path, max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The finished chunks of the corpus at out for training `model` at max_len -> `read_corpus`'s
-    sequences; refused if the corpus is of another model or longer sequences, or holds no chunk yet.
-    Chunks finished later make a larger corpus: a run resumed after them would see other data."""
+def training_corpus(model, out: Path, max_len: int, chunks: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The finished chunks of the corpus at out (or chunks 0 .. chunks-1) for training `model` at max_len ->
+    `read_corpus`'s sequences; refused if the corpus is of another model or longer sequences, or holds no
+    chunk yet. Without `chunks`, chunks finished later make a larger corpus: a run resumed after them would
+    see other data."""
     out = Path(out).expanduser()
     path = out / "manifest.json"
     if not path.is_file():
@@ -200,7 +210,7 @@ def training_corpus(model, out: Path, max_len: int) -> list[tuple[np.ndarray, np
     if manifest["settings"]["max_len"] > max_len:
         raise ValueError(f"replies={out} holds sequences of up to {manifest['settings']['max_len']} tokens, over "
                          f"this run's max_len {max_len}: raise max_len or make a corpus with --max-len {max_len}")
-    seqs = read_corpus(out)
+    seqs = read_corpus(out, chunks)
     if not seqs:
         raise ValueError(f"replies={out} has no finished chunk yet: let `python -m train.replies --out {out}` run")
     return seqs
