@@ -284,11 +284,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
     for s in row_seeds or ():
         Sampling(temperature, top_k, top_p, s)  # each checked as a seed
     sp = Sampling(temperature, top_k, top_p, seed if row_seeds is None else 0)
-    P = max(p.size for p in rows)
-    p_pad = ar.round_up(P, ar.PROMPT_BUCKET)
     out_len = ar.round_up(max_len - 1, ar.OUT_BUCKET)  # per-row max_new bounds the loop: one shape per max_len
-    # Prompts end at slot p_pad (ar.generate_batch), so the longest reply needs slots up to p_pad + out_len.
-    cache_len = ar.round_up(p_pad + min(out_len, max_len - int(min(p.size for p in rows))), ar.CACHE_BUCKET)
     lens = np.asarray([p.size for p in rows], np.int32)
     eos = np.asarray(model.eos_token_ids if stop_at_eos else (), np.int32)
     if weights_dtype not in ("float32", "bfloat16"):
@@ -301,6 +297,5 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], max_len: int,
              else (np.uint32(sp.seed) + np.arange(len(rows), dtype=np.uint32)).astype(np.uint32))
     out, counts = ar.generate_batch(params, layers, rows, max_len - lens,
                                     jnp.asarray(eos if eos.size else np.array([-1], np.int32)), sp.runtime(),
-                                    seeds, cfg=cfg, greedy=sp.greedy, filtered=sp.filtered,
-                                    cache_len=cache_len, out_len=out_len)
+                                    seeds, cfg=cfg, greedy=sp.greedy, filtered=sp.filtered, out_len=out_len)
     return [out[i, :counts[i]].tolist() for i in range(len(rows))]

@@ -100,6 +100,9 @@ def test_runs_that_may_have_trained_on_the_heldout_set_are_refused(tmp_path):
         heldout.check_runs([on_replies], offset=450, count=100)
     with pytest.raises(ValueError, match="init_from"):
         heldout.check_runs([_run(tmp_path, "h", replies=str(corpus), init_from="spd_jax/psms/x")], offset=400, count=32)
+    (corpus / "manifest.json").write_text(json.dumps(dict(settings=dict(heldout=[400, 500], limit=450))))
+    with pytest.raises(ValueError, match="first 450 conversations, which never read its held-out range 400 .. 499"):
+        heldout.check_runs([on_replies], offset=400, count=32)
 
 
 def test_runs_compare_at_the_positions_all_reached():

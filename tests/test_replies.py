@@ -82,11 +82,13 @@ def test_chunks_made_together_are_batched_by_length_and_hold_the_same_replies(ti
     monkeypatch.setattr(replies.spd_jax, "generate_batch",
                         lambda *a, **k: batches.append([len(p) for p in a[1]]) or real(*a, **k))
     assert replies.run(tiny, tmp_path / "together", SETTINGS, group=2, show_progress=False)["chunks_done"] == 2
-    assert batches[0] == [3, 5, 9, 12] and batches[1] == [20]
+    assert batches == [[3, 5, 9, 12], [20], [3, 3, 5, 5], [9, 9, 12, 12], [20, 20]]  # greedy, then 2 samples each
     alone, together = (json.loads((tmp_path / d / "manifest.json").read_text())["chunks"] for d in ("alone", "together"))
     assert [together[c]["digest"] for c in "01"] == [alone[c]["digest"] for c in "01"]
     assert together["1"]["group"] == [0, 1] and alone["1"]["group"] == [1]
+    batches.clear()
     assert replies.verify(tiny, tmp_path / "together", SETTINGS, 1)["equal"]
+    assert batches[:2] == [[3, 5, 9, 12], [20]]  # the group regenerated, not chunk 1 alone
 
 
 def test_a_kept_corpus_resumes_without_its_prompt_list(tiny, prompts, tmp_path, monkeypatch):
@@ -179,5 +181,5 @@ def test_training_reads_the_finished_chunks(tiny, prompts, tmp_path):
     replies.run(tiny, tmp_path, SETTINGS, show_progress=False)
     assert len(train_corpus.encode_corpus(tiny, tc)) == 15
     assert [a.tolist() for a, _ in train_corpus.encode_corpus(tiny, first)] == [a.tolist() for a, _ in seqs]
-    with pytest.raises(ValueError, match="replies_chunks=3 needs replies=DIR"):
+    with pytest.raises(ValueError, match="replies_chunks=3 counts the chunks of a replies corpus: set replies=DIR"):
         TrainConfig.from_dict(dict(replies_chunks=3))

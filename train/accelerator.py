@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     j = sub.add_parser("job", help="there: generate replies, then train, results under $OUT")
     j.add_argument("--dir", type=Path, default=Path(".device"))
     j.add_argument("--minutes", type=float, default=11.0, help="the whole job's wall clock")
-    j.add_argument("--gen-minutes", type=float, default=5.0, help="start no new reply chunk after this")
+    j.add_argument("--gen-minutes", type=float, default=5.0, help="start no new group of reply chunks after this")
     j.add_argument("--start-chunk", type=int, default=480, help="where generation begins (CPU sessions work from 0)")
     j.add_argument("train_args", nargs="*", help="key=value overrides for train.main (e.g. steps=400)")
     u = sub.add_parser("unpack", help="here: returned chunks into the corpus, the PSM under runs/")

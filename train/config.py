@@ -297,8 +297,10 @@ class TrainConfig:
         if da.replies is not None and da.responses != "dataset":
             raise ConfigError(f"replies={da.replies!r} is a corpus of the target's replies already; drop "
                               f"responses={da.responses!r}")
-        if da.replies_chunks is not None and (da.replies is None or da.replies_chunks < 1):
-            raise ConfigError(f"replies_chunks={da.replies_chunks} needs replies=DIR and at least 1 chunk")
+        if da.replies_chunks is not None and da.replies is None:
+            raise ConfigError(f"replies_chunks={da.replies_chunks} counts the chunks of a replies corpus: set replies=DIR")
+        if da.replies_chunks is not None and da.replies_chunks < 1:
+            raise ConfigError(f"replies_chunks={da.replies_chunks}: give at least 1 chunk (or null: all finished)")
         if dr.ttt_steps < 1 or dr.eval_k < 1:
             raise ConfigError(f"ttt_steps ({dr.ttt_steps}) and eval_k ({dr.eval_k}) must be at least 1")
         if dr.hard_weight and not dr.kind.staged:

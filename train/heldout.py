@@ -103,7 +103,14 @@ def check_replies_heldout(run: Run, offset: int, count: int) -> None:
     manifest = Path(run.tc.data.replies).expanduser() / "manifest.json"
     if not manifest.is_file():
         raise FileNotFoundError(f"{run.path} trained on replies={run.tc.data.replies}, which has no manifest.json")
-    a, b = json.loads(manifest.read_text())["settings"]["heldout"]
+    settings = json.loads(manifest.read_text())["settings"]
+    a, b = settings["heldout"]
+    if settings.get("limit") is not None and settings["limit"] < b:
+        # its prompt list stopped before the held-out conversations, so it never saw their first turns to drop
+        # their repeats from training
+        raise ValueError(f"{run.path} trained on a replies corpus of the first {settings['limit']} conversations, "
+                         f"which never read its held-out range {a} .. {b - 1}: it may hold their first turns; "
+                         "compare runs on a corpus made without --limit")
     if not a <= offset < offset + count <= b:
         raise ValueError(f"{run.path} trained on a replies corpus holding out conversations {a} .. {b - 1} of each "
                          f"source, which does not cover the held-out set {offset} .. {offset + count - 1}: pass "

@@ -19,13 +19,13 @@ seeded by (seed, prompt index, sample) so a reply does not depend on the batch i
 after EOS or at max_len tokens in all. Work goes in chunks of --chunk prompts, each written atomically
 when done (`chunk-NNNNN.npz`), so a killed run resumes at the first missing chunk: run it under `nice` in
 the background and start it again until done. --group chunks run together, their prompts sorted by length
-into batches of --batch (a batch reads its cache from its longest prompt's slot on, so mixing lengths costs
-decode time; docs/train/replies.md). manifest.json holds what regenerates the corpus: the
-settings, the model (weights fingerprint, chat-template digest), the prompt list's digest, and per chunk
-its sequences, response positions, the code identity that made it (digest of the modules that compute
-a token, jax version, backend) and a digest of its tokens, which `--verify` checks by regenerating.
-Greedy and sampled tokens can differ between machines after a near tie: the digests hold for the
-machine kind (and batch) that wrote them.
+into batches of --batch (every row of a batch reads its cache from slot 0 up to the batch's longest prompt
+plus the reply so far, so mixing lengths costs decode time; docs/train/replies.md). manifest.json holds what
+regenerates the corpus: the settings, the model (weights fingerprint, chat-template digest), the prompt
+list's digest, and per chunk its sequences, response positions, the code identity that made it (digest of
+the modules that compute a token, jax version, backend), the group it was made with and a digest of its
+tokens, which `--verify` checks by regenerating the group. Greedy and sampled tokens can differ between
+machines after a near tie: the digests hold for the machine kind (and batch) that wrote them.
 
 Chunks are small (compressed, uint16 token ids where the vocabulary fits: about 1.3 bytes a token), so a
 corpus made on CPUs over many sessions can live in git: `prompts.npz` (tens of MB) may be left out, and a
@@ -59,7 +59,8 @@ READERS = {"gsm8k": data.gsm8k_conversations, "sharegpt": data.read_sharegpt}
 REPO_REPLIES = Path(__file__).resolve().parents[1] / "data" / "replies"
 # The modules whose code decides a token: their digest is each chunk's code identity.
 CODE = ("spd_jax/api.py", "spd_jax/decode/ar.py", "spd_jax/decode/sampling.py", "spd_jax/models/decoder.py",
-        "spd_jax/models/attention.py", "spd_jax/models/layers.py", "spd_jax/models/deltanet.py")
+        "spd_jax/models/attention.py", "spd_jax/models/layers.py", "spd_jax/models/deltanet.py",
+        "spd_jax/models/kinds.py", "train/replies.py")
 SETTINGS = ("sources", "samples", "max_len", "batch", "chunk", "seed", "weights_dtype", "heldout", "limit")
 
 
@@ -119,7 +120,7 @@ def generate_chunks(model, prompts: list[np.ndarray], indices: list[np.ndarray],
     """The replies of prompts[index] for each index (a chunk's prompts; greedy, then s["samples"] sampled
     each) -> each chunk's arrays: ids (sequences concatenated), offsets, prompt_len, prompt (index into the
     prompt list), sample. The chunks' prompts run together, sorted by length into batches of s["batch"]:
-    a batch's cache is read from its longest prompt's slot on, so prompts of one length share batches."""
+    every row of a batch reads the cache up to its longest prompt's end, so prompts of one length share batches."""
     units = [(int(p), k) for k in range(s["samples"] + 1) for index in indices for p in index]
     seqs: dict[tuple[int, int], np.ndarray] = {}
     for greedy in (True, False):
@@ -333,6 +334,8 @@ def verify(model, out: Path, s: dict, c: int) -> dict:
     order = np.asarray(manifest["order"])
     was = manifest["chunks"][str(c)]
     cs = was.get("group", [c])
+    if c not in cs:
+        raise ValueError(f"chunk {c}'s record names the group {cs}, which does not hold it: the manifest is damaged")
     made = generate_chunks(model, prompts, [chunk_prompts(order, s, x) for x in cs], s)
     rec = chunk_record(made[cs.index(c)])
     return dict(chunk=c, recorded=was["digest"], regenerated=rec["digest"], equal=was["digest"] == rec["digest"],

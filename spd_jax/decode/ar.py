@@ -160,7 +160,7 @@ def _take_rows(carry: tuple, rows: tuple, keep: jax.Array, *, cfg: ModelConfig) 
 
 
 def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarray, eos_ids: jax.Array, sp: dict,
-                   seeds: np.ndarray, *, cfg: ModelConfig, greedy: bool, filtered: bool, cache_len: int,
+                   seeds: np.ndarray, *, cfg: ModelConfig, greedy: bool, filtered: bool,
                    out_len: int) -> tuple[np.ndarray, np.ndarray]:
     """B independent sequences: prompts (B arrays of ids), max_new [B], seeds [B] (sampling) -> (tokens
     [B, out_len], counts [B]), row b as a batch of one gives it, up to the matmuls' summation order (and
@@ -170,11 +170,13 @@ def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarra
     longest would spend most of its prefill on padding), then the caches are moved so that every prompt
     ends at slot P, the longest's bucket. Decoding steps the rows together (`_decode_rows`); once at most
     half of them are live the batch shrinks to the next power of two above the live rows (`_take_rows`),
-    so a batch waiting for its longest reply does not step its finished rows all the way. Needs cache_len
-    >= P + max(max_new) - 1. For bulk generation, not latency."""
+    so a batch waiting for its longest reply does not step its finished rows all the way. out_len >=
+    max(max_new). For bulk generation, not latency."""
     B = len(prompts)
     lens = np.asarray([p.size for p in prompts], np.int32)
     p_end = round_up(int(lens.max()), PROMPT_BUCKET)
+    # the longest reply writes up to slot p_end + max(max_new) - 2; bucketed, so few cache shapes compile
+    cache_len = round_up(p_end + min(out_len, int(np.max(max_new))), CACHE_BUCKET)
     firsts, row_caches = [], []
     for p, seed in zip(prompts, seeds):
         row = np.zeros((1, round_up(p.size, PROMPT_BUCKET)), np.int32)
@@ -185,7 +187,7 @@ def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarra
         row_caches.append(c)
     first = jnp.stack(firsts)
     caches = _batch_rows(row_caches, jnp.asarray(p_end - lens), cfg=cfg)
-    del row_caches
+    del row_caches, c  # the batch holds them now
     rows = tuple(jnp.asarray(a) for a in (lens, p_end - lens, np.asarray(max_new, np.int32),
                                           np.asarray(seeds, np.uint32)))
     out = jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(first)
@@ -196,7 +198,7 @@ def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarra
     while True:
         width = slot_row.size
         carry = _decode_rows(layers, params_head(params), carry, rows, eos_ids, sp, jnp.int32(p_end),
-                             jnp.int32(width // 2 if width > 1 else 0), cfg=cfg, greedy=greedy, filtered=filtered)
+                             jnp.int32(width // 2), cfg=cfg, greedy=greedy, filtered=filtered)
         done_h, out_h, count_h = (np.asarray(a) for a in (carry[4], carry[3], carry[5]))
         real = slot_row >= 0
         tokens[slot_row[real]], counts[slot_row[real]] = out_h[real], count_h[real]

@@ -201,9 +201,9 @@ def decode_step(layers: list[Params], params: Params, token: jax.Array, caches: 
     `init_cache`). params supplies the embedding, final norm and LM head. Unrolled over layers:
     compile time grows with depth, and that buys reading each weight once, in place.
 
-    Rows of different lengths (`decode.ar.generate_batch`): pos is then the cache slot every row writes,
-    positions [B] each row's token position (RoPE) and start [B] each row's first valid slot (its prompt
-    left-aligned to end where the others' end), so the write stays one in-place slice. Recurrent
+    Rows of different lengths (`decode.ar.generate_batch`'s decode loop): pos is then the cache slot every row
+    writes, positions [B] each row's token position (RoPE) and start [B] each row's first valid slot (its
+    prompt padded on the left to end where the others' end), so the write stays one in-place slice. Recurrent
     (Gated DeltaNet) states carry no positions and need neither. attn_block: attention reads only the
     cache blocks of that many slots that hold filled slots (a bulk loop whose cache spans the whole
     reply), at the cost of another summation order."""

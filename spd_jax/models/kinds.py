@@ -277,8 +277,8 @@ class GatedDeltaNet(LayerKind):
         return jax.tree.map(lambda t: t[i:i + 1], cache)
 
     def align_rows(self, cache: LinearState, shift: jax.Array) -> LinearState:
-        """Recurrent states carry no positions: vmap's per-row [B, 1, R, 1, ...] becomes the batch axis
-        [1, R, B, ...]."""
+        """Recurrent states carry no positions: the stacked per-row rings [B, 1, R, 1, ...] (one prefill per
+        row) become the batch axis [1, R, B, ...]."""
         return jax.tree.map(lambda t: jnp.moveaxis(t[:, :, :, 0], 0, 2), cache)
 
     def take_rows(self, cache: LinearState, rows: jax.Array) -> LinearState:
