@@ -160,6 +160,33 @@ def test_heldout_prompts_are_the_named_conversations_of_each_source(monkeypatch)
     assert len(prompts) == 6 and repeats == 0
 
 
+class _ChatTokenizer:
+    def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+        return [1] + [int(w) for m in msgs for w in m["content"].split()]
+
+
+def test_every_turn_of_the_heldout_conversations_and_none_a_replies_run_trained_on(monkeypatch, tmp_path):
+    """--turns every: each user turn with its context, up to the first past max_len - MIN_ROOM; a held-out
+    prompt that a run's replies corpus holds (a repeated conversation) is dropped."""
+    def conversations(tc):
+        for i in range(min(6, tc.limit)):
+            yield "one", [dict(role="user", content=f"{i}"), dict(role="assistant", content="50 " * (i + 1)),
+                          dict(role="user", content="60"), dict(role="assistant", content="70")]
+
+    monkeypatch.setattr(train_data, "conversations", conversations)
+    model = type("M", (), dict(tokenizer=_ChatTokenizer()))()
+    tc = TrainConfig.of(max_len=23)  # a prompt may hold 7 tokens: conversation 4's second turn is 1 + 1 + 5 + 1
+    prompts, _ = heldout.heldout_prompts(model, tc, offset=3, count=2, every_turn=True)
+    assert [p.tolist() for p in prompts] == [[1, 3], [1, 3] + [50] * 4 + [60], [1, 4]]
+    first, _ = heldout.heldout_prompts(model, tc, offset=3, count=2)
+    assert [p.tolist() for p in first] == [[1, 3], [1, 4]]
+    seqs = [(np.asarray(p.tolist() + [9, 9]), np.arange(len(p) + 2) >= len(p) - 1) for p in prompts]
+    run = heldout.Run(tmp_path, TrainConfig.of(replies=str(tmp_path), replies_chunks=2))
+    monkeypatch.setattr(heldout.replies, "read_corpus", lambda out, chunks: [seqs[1]] if chunks == 2 else [])
+    assert [ids.tolist() for ids, _ in heldout.without_trained_prompts(seqs, [run])] == [
+        seqs[0][0].tolist(), seqs[2][0].tolist()]
+
+
 @pytest.mark.real_model
 def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch, capsys):
     """A two-step train.main run and a copy of its run.json with a random start (no checkpoints: scored

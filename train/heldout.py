@@ -1,14 +1,18 @@
 """Score training runs side by side on one held-out set: the target's own greedy replies.
 
-    python -m train.heldout RUN [RUN ...] [--offset 400] [--count 32] [--steps 20,40] [--out DIR]
+    python -m train.heldout RUN [RUN ...] [--offset 400] [--count 32] [--steps 20,40] [--turns first|every]
+                            [--out DIR]
 
 At inference a drafter is checked against the target's own continuation, so that is what the held-out
 set holds, whatever a run trained on (the dataset's responses or the target's: `responses`). The set:
 the first user turn of conversations offset .. offset + count - 1 of each source the runs trained on,
 answered greedily by the target up to the runs' max_len (`train.distill.regenerate`, cached beside the
 corpora), less any whose prompt repeats a training conversation's first turn (ShareGPT has duplicates).
-A run whose `limit` does not keep those conversations out of its training data is refused, as is one
-that started from another drafter (`init_from`: what that one saw is not checked here).
+`--turns every` asks every user turn of those conversations with its context, as a `train.replies` corpus
+asks its own (more held-out positions, and the distribution such a corpus trains on). A run on a replies
+corpus (`replies=DIR`) is held out by the corpus's own range (its `--heldout`), and a held-out prompt that
+its chunks hold is dropped. A run whose `limit` does not keep those conversations out of its training data
+is refused, as is one that started from another drafter (`init_from`: what that one saw is not checked here).
 
 Every kept checkpoint of each run (or those of --steps), and its initial state (step 0: where the run started, e.g. the
 target's last layers against a random start), is scored teacher-forced with the training objective
@@ -42,7 +46,7 @@ import numpy as np
 import spd_jax
 from spd_jax.progress import progress_bar
 from spd_jax.reports.plots import positions_axis
-from train import checkpoints, corpus, data, distill, step
+from train import checkpoints, corpus, data, distill, replies, step
 from train.config import TrainConfig
 
 matplotlib.use("Agg")
@@ -117,10 +121,12 @@ def check_replies_heldout(run: Run, offset: int, count: int) -> None:
                          f"--offset and --count within {a} .. {b - 1}")
 
 
-def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> tuple[list[np.ndarray], int]:
-    """-> (first-turn prompts [T_i] int32 of conversations offset .. offset + count - 1 of each source,
-    in order; how many were dropped as repeats of a first turn among conversations 0 .. seen_below - 1 of
-    their source). Ones leaving the reply under distill.MIN_ROOM tokens of tc.data.max_len are skipped."""
+def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0,
+                    every_turn: bool = False) -> tuple[list[np.ndarray], int]:
+    """-> (first-turn prompts [T_i] int32 of conversations offset .. offset + count - 1 of each source, or with
+    every_turn each user turn's with its context (`replies.turn_prompts`, as a replies corpus asks them), in
+    order; how many were dropped as repeats of a first turn among conversations 0 .. seen_below - 1 of their
+    source). Ones leaving the reply under distill.MIN_ROOM tokens of tc.data.max_len are skipped."""
     index: collections.Counter = collections.Counter()
     trained: set[tuple[str, bytes]] = set()
     out, repeats = [], 0
@@ -134,29 +140,44 @@ def heldout_prompts(model, tc, offset: int, count: int, seen_below: int = 0) -> 
         ids = distill.first_turn_ids(model, msgs)
         if i < seen_below:
             trained.add((src, ids.tobytes()))
-        if offset <= i < offset + count and len(ids) <= tc.data.max_len - distill.MIN_ROOM:
+        if offset <= i < offset + count and every_turn:
+            out += [(src, p) for p in replies.turn_prompts(model, msgs, tc.data.max_len)]
+        elif offset <= i < offset + count and len(ids) <= tc.data.max_len - distill.MIN_ROOM:
             out.append((src, ids))
     kept = [ids for src, ids in out if (src, ids.tobytes()) not in trained]
     return kept, len(out) - len(kept)
 
 
-def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0,
-                batch: int = 32) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+def heldout_set(model, tc, offset: int, count: int, seen_below: int = 0, batch: int = 32,
+                every_turn: bool = False) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """-> ([(ids [T_i] int32, mask [T_i] bool)]: the held-out prompts with the target's greedy replies,
     mask[t] where t + 1 is a reply token; prompts dropped as repeats of training ones), generated once
     and cached."""
-    prompts, repeats = heldout_prompts(model, tc, offset, count, seen_below)
+    prompts, repeats = heldout_prompts(model, tc, offset, count, seen_below, every_turn)
     if not prompts:
         raise ValueError(f"no held-out conversations at --offset {offset} of {', '.join(tc.data.sources)} "
                          f"(fewer than {offset + 1} conversations, or none fits max_len {tc.data.max_len}): pass a "
                          "smaller --offset and train the runs with a limit below it")
     key = data.corpus_key(model, tc.replace(skip=0, limit=None, prompt_pattern=None),
                           "heldout-target-greedy", offset, count,
-                          seen_below, distill.MIN_ROOM)
-    log.info("held-out set: %d first turns (conversations %d .. %d of %s; %d dropped as repeats of training "
-             "prompts), the target's greedy replies", len(prompts), offset, offset + count - 1,
+                          seen_below, distill.MIN_ROOM, *(["every-turn"] if every_turn else []))
+    log.info("held-out set: %d %s (conversations %d .. %d of %s; %d dropped as repeats of training "
+             "prompts), the target's greedy replies", len(prompts), "turns" if every_turn else "first turns",
+             offset, offset + count - 1,
              ", ".join(tc.data.sources), repeats)
     return distill.regenerate(model, prompts, tc.data.max_len, batch, data.corpus_dir() / f"heldout-{key}"), repeats
+
+
+def without_trained_prompts(seqs: list[tuple[np.ndarray, np.ndarray]], runs: list[Run]) -> list:
+    """The held-out sequences less those whose prompt a run on a replies corpus trained on: ShareGPT repeats
+    whole conversations, and a corpus drops only the repeats of its held-out range's first turns."""
+    trained = set()
+    for r in runs:
+        d = r.tc.data
+        if d.replies is not None:
+            trained |= {np.asarray(ids[:int(np.argmax(m)) + 1], np.int32).tobytes()
+                        for ids, m in replies.read_corpus(Path(d.replies).expanduser(), d.replies_chunks)}
+    return [(ids, m) for ids, m in seqs if np.asarray(ids[:int(np.argmax(m)) + 1], np.int32).tobytes() not in trained]
 
 
 class Teacher:
@@ -309,7 +330,8 @@ def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
     (out / "heldout.json").write_text(json.dumps(dict(heldout=heldout, runs={k: str(r.path) for k, r in zip(diff, runs)},
                                                       differences=diff, rows=rows, equal_positions=common,
                                                       at_equal_positions=equal, by_setting=settings), indent=1))
-    lines = [f"Held-out set: {heldout['sequences']} first turns (conversations {heldout['offset']} .. "
+    turns = "turns" if heldout.get("turns") == "every" else "first turns"
+    lines = [f"Held-out set: {heldout['sequences']} {turns} (conversations {heldout['offset']} .. "
              f"{heldout['offset'] + heldout['count'] - 1} of each of {', '.join(heldout['sources'])}, less "
              f"{heldout['repeats']} repeating a training prompt), the target's greedy replies, {heldout['positions']:,} "
              f"scored positions; fills drawn once (seed {SEED}) for all runs; float32.",
@@ -371,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", help="the checkpoints to score, e.g. 20,40,60 (default: every kept one; the "
                                      "initial state is always scored)")
     ap.add_argument("--batch", type=int, default=32, help="prompts per generated batch (the target's replies)")
+    ap.add_argument("--turns", choices=["first", "every"], default="first",
+                    help="the held-out conversations' first user turns, or every turn with its context (as a "
+                         "replies corpus asks them)")
     ap.add_argument("--out", help="where heldout.json/.md/.png go (default: the first run's directory)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -393,7 +418,9 @@ def main(argv=None) -> int:
         scored = [checkpoints_to_score(r, steps) for r in runs]
         # a replies corpus has dropped its own repeats of held-out first turns: nothing of it to drop here
         seen = max(0 if r.tc.data.replies else r.tc.data.skip + r.tc.data.limit for r in runs)
-        seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch)
+        seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch, args.turns == "every")
+        kept = without_trained_prompts(seqs, runs)
+        seqs, repeats = kept, repeats + len(seqs) - len(kept)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -403,7 +430,7 @@ def main(argv=None) -> int:
                else None)
     teacher = Teacher(model, tc, seqs, tc.data.buckets, anchors)
     rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, teacher, st)]
-    heldout = dict(offset=args.offset, count=args.count, sources=list(tc.data.sources), max_len=tc.data.max_len,
+    heldout = dict(offset=args.offset, count=args.count, turns=args.turns, sources=list(tc.data.sources), max_len=tc.data.max_len,
                    sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
     print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))
     return 0

@@ -70,6 +70,19 @@ def chat_ids(model, msgs: list[dict]) -> np.ndarray:
     return np.asarray(out["input_ids"] if hasattr(out, "keys") else out, np.int32)
 
 
+def turn_prompts(model, msgs: list[dict], max_len: int) -> list[np.ndarray]:
+    """A conversation -> the prompt of each user turn, its context before it (earlier turns as the dataset
+    has them) through the chat template [T_t] int32, up to the first that leaves under MIN_ROOM tokens of
+    max_len (later ones only grow)."""
+    out = []
+    for t in range(0, len(msgs), 2):
+        ids = chat_ids(model, msgs[:t + 1])
+        if len(ids) > max_len - MIN_ROOM:
+            break
+        out.append(ids)
+    return out
+
+
 def enumerate_prompts(model, sources: list[str], max_len: int, heldout: tuple[int, int],
                       limit: int | None = None) -> tuple[list[str], list[np.ndarray]]:
     """-> (names "source:conversation:turn", prompts [T_i] int32): every user turn of each source's
@@ -85,13 +98,10 @@ def enumerate_prompts(model, sources: list[str], max_len: int, heldout: tuple[in
             if heldout[0] <= c < heldout[1]:
                 held.add(chat_ids(model, msgs[:1]).tobytes())
                 continue
-            for t in range(0, len(msgs), 2):
-                ids = chat_ids(model, msgs[:t + 1])
-                if len(ids) > max_len - MIN_ROOM:
-                    break
+            for t, ids in enumerate(turn_prompts(model, msgs, max_len)):
                 if ids.tobytes() not in seen:
                     seen.add(ids.tobytes())
-                    names.append(f"{src}:{c}:{t // 2}")
+                    names.append(f"{src}:{c}:{t}")
                     prompts.append(ids)
     keep = [i for i, p in enumerate(prompts) if p.tobytes() not in held]
     return [names[i] for i in keep], [prompts[i] for i in keep]
