@@ -669,7 +669,7 @@ def test_eagle3_config_matches_the_psm_data():
 
 
 def test_base_holds_every_default_and_recipes_only_differences():
-    """configs/train/base.yaml states every key once, at the dataclasses' defaults; there are at most six
+    """configs/train/base.yaml states every key once, at the dataclasses' defaults; there are at most seven
     recipes, each naming it as base_config and stating only values that differ from it."""
     import yaml
 
@@ -677,7 +677,8 @@ def test_base_holds_every_default_and_recipes_only_differences():
     assert base == TrainConfig().to_flat()
     recipes = sorted(p for p in (ROOT / "configs/train").glob("*.yaml") if p.name != "base.yaml")
     assert [p.name for p in recipes] == ["smollm2-eagle3.yaml", "smollm2-n4.yaml", "smollm2-n8-distill.yaml",
-                                         "smollm2-n8-h200.yaml", "smollm2-n8.yaml", "smollm2-ppsd-n8.yaml"]
+                                         "smollm2-n8-h200.yaml", "smollm2-n8-replies.yaml", "smollm2-n8.yaml",
+                                         "smollm2-ppsd-n8.yaml"]
     for p in recipes:
         d = yaml.safe_load(p.read_text())
         assert d.pop("base_config") == "base.yaml", p
