@@ -134,7 +134,7 @@ class AR(Method):
         plen = jnp.int32(P)
         model._require_layers(f"method={self.name!r}")
         params, layers, placement = self.placed(model)
-        head = {k: v for k, v in params.items() if k != "layers"}
+        head = decoder.head_params(params)
 
         pre_args = (params, prompt_arr, plen, rt)
         pre_statics = dict(statics, cache_len=cache_len, placement=placement)

@@ -103,7 +103,7 @@ def test_a_batch_shrinks_to_its_live_rows_and_each_row_is_still_its_own(tiny, mo
     model, _ = tiny
     widths = []
     real = ar._take_rows
-    monkeypatch.setattr(ar, "_take_rows", lambda carry, rows, keep, **k: widths.append(keep.size) or real(carry, rows, keep, **k))
+    monkeypatch.setattr(ar, "_take_rows", lambda carry, rows, keep, *a, **k: widths.append(keep.size) or real(carry, rows, keep, *a, **k))
     prompts = [list(range(3, 3 + n)) for n in (30, 2, 25, 9, 14, 40)]  # max_new 18 .. 46: finishing one by one
     got = spd_jax.generate_batch(model, prompts, max_len=48, temperature=1.0, seed=[7, 1, 4, 2, 9, 3], stop_at_eos=False)
     assert widths == [4, 2, 1]

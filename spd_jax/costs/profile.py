@@ -109,13 +109,13 @@ def profile_cycle(model, plan, psm_layers: int = 2, context: int = 128, iters: i
         head = decoder.lm_head(params, cfg)
         return jnp.argmax(decoder.head_logits(x, params["final_norm"], head, cfg, 0, rows), axis=-1)
 
-    verify_ms = median_ms(verify, {k: v for k, v in model.params.items() if k != "layers"}, x[0, 0], iters=iters)
+    verify_ms = median_ms(verify, decoder.head_params(model.params), x[0, 0], iters=iters)
 
     # each device's whole work of a cycle that verifies a token as ONE call, as the engine runs it inside one
     # program (one dispatch, not one per part): its stage (none on the PSM's own device), its shard of both heads
     # (one two-row dot: the PSM reads the target's head, `decode.spd`'s one pass) and, on the PSM's device, the
     # body; the devices timed in turn
-    head_params = {k: v for k, v in model.params.items() if k != "layers"}
+    head_params = decoder.head_params(model.params)
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def device_work(with_stage: bool, with_body: bool, stage, head, v, pcache, h):
@@ -145,7 +145,7 @@ def _ar_step_ms(model, context: int, iters: int) -> float:
     """One AR step of the whole model at position `context`, as decode.ar runs it: per-layer weights, the whole
     head, the argmax (the caches are not returned, so their one-slot write is left out; their reads are timed)."""
     cfg = model.config
-    head_params = {k: v for k, v in model.params.items() if k != "layers"}
+    head_params = decoder.head_params(model.params)
     ar_layers = decoder.decode_layers(model.params["layers"], cfg)
     ar_caches = decoder.split_cache(decoder.init_cache(cfg, 1, context + 64, model.dtype), cfg)
 

@@ -152,11 +152,14 @@ def _decode_rows(layers, head, carry: tuple, rows: tuple, eos_ids: jax.Array, sp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _take_rows(carry: tuple, rows: tuple, keep: jax.Array, *, cfg: ModelConfig) -> tuple[tuple, tuple]:
-    """The carry and row arrays of `_decode_rows` -> those of the rows `keep` [B'] alone."""
+def _take_rows(carry: tuple, rows: tuple, keep: jax.Array, n_live: jax.Array, *,
+               cfg: ModelConfig) -> tuple[tuple, tuple]:
+    """The carry and row arrays of `_decode_rows` -> those of the rows `keep` [B'] alone; slots from n_live
+    on are padding (repeats of a live row), marked done."""
     i, tok, caches, out, done, count = carry
     caches = [KINDS[kind].take_rows(c, keep) for kind, c in zip(cfg.layer_types, caches)]
-    return (i, tok[keep], caches, out[keep], done[keep], count[keep]), tuple(r[keep] for r in rows)
+    done = done[keep] | (jnp.arange(keep.shape[0]) >= n_live)
+    return (i, tok[keep], caches, out[keep], done, count[keep]), tuple(r[keep] for r in rows)
 
 
 def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarray, eos_ids: jax.Array, sp: dict,
@@ -194,10 +197,11 @@ def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarra
     done = jnp.isin(first, eos_ids) | (rows[2] <= 1)
     carry = (jnp.int32(1), first, caches, out, done, jnp.ones((B,), jnp.int32))
     tokens, counts = np.zeros((B, out_len), np.int32), np.zeros((B,), np.int32)
+    head = decoder.head_params(params)
     slot_row = np.arange(B)  # the prompt each slot of the running batch holds, -1 for padding
     while True:
         width = slot_row.size
-        carry = _decode_rows(layers, params_head(params), carry, rows, eos_ids, sp, jnp.int32(p_end),
+        carry = _decode_rows(layers, head, carry, rows, eos_ids, sp, jnp.int32(p_end),
                              jnp.int32(width // 2), cfg=cfg, greedy=greedy, filtered=filtered)
         done_h, out_h, count_h = (np.asarray(a) for a in (carry[4], carry[3], carry[5]))
         real = slot_row >= 0
@@ -205,13 +209,8 @@ def generate_batch(params, layers, prompts: list[np.ndarray], max_new: np.ndarra
         live = np.flatnonzero(~done_h & real)
         if live.size == 0 or int(carry[0]) >= out_len:
             return tokens, counts
-        keep = np.full(1 << (live.size - 1).bit_length(), live[0])  # padding repeats a live row, marked done
+        keep = np.full(1 << (live.size - 1).bit_length(), live[0])  # padding repeats a live row
         keep[:live.size] = live
-        carry, rows = _take_rows(carry, rows, jnp.asarray(keep), cfg=cfg)
-        carry = carry[:4] + (carry[4].at[live.size:].set(True),) + carry[5:]
+        carry, rows = _take_rows(carry, rows, jnp.asarray(keep), jnp.int32(live.size), cfg=cfg)
         slot_row = np.where(np.arange(keep.size) < live.size, slot_row[keep], -1)
 
-
-def params_head(params) -> dict:
-    """The embedding, final norm (and LM head) of params: what a decode step reads besides the layers."""
-    return {k: v for k, v in params.items() if k != "layers"}

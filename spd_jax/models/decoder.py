@@ -180,6 +180,11 @@ def decode_layers(layers: Params, cfg: ModelConfig, fuse_qkv: bool = True) -> li
     return out
 
 
+def head_params(params: Params) -> Params:
+    """The embedding, final norm (and untied LM head) of params: what `decode_step` reads besides the layers."""
+    return {k: v for k, v in params.items() if k != "layers"}
+
+
 def split_cache(cache: Cache, cfg: ModelConfig) -> list[KVCache | LinearState]:
     """A whole model's `Cache` -> one cache per layer in model order (`LayerKind.layer_cache`): KVCache k/v
     [B, Nkv, S, D] or a one-layer LinearState (conv [1, R, B, K-1, C], ssm [1, R, B, Hv, Dk, Dv])."""
