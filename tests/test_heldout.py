@@ -1,7 +1,8 @@
-"""Scoring runs on a common held-out set (train/heldout.py): the score is the training objective's mean
-per position under fills keyed by sequence, whatever the batching; runs that may have trained on the
-held-out conversations are refused; runs compare at equal training positions; on the real model, the
-CLI scores a run's start and checkpoints on the target's own greedy replies."""
+"""Scoring runs on a common held-out set (train/heldout.py, train/heldout_report.py): the score is the
+training objective's mean per position under fills keyed by sequence, whatever the batching; runs that
+may have trained on the held-out conversations are refused; runs compare at equal training positions,
+and reports from several sessions join when they share a set; on the real model, the CLI scores a run's
+start and checkpoints on the target's own greedy replies."""
 
 import json
 import re
@@ -16,7 +17,7 @@ import pytest
 import spd_jax
 from spd_jax.decode import pipelined
 from spd_jax.drafters.psm import PSMConfig
-from train import corpus as train_corpus, data as train_data, heldout, step as train_step
+from train import corpus as train_corpus, data as train_data, heldout, heldout_report, step as train_step
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_runs_compare_at_the_positions_all_reached():
     rows = [dict(run="a", step=s, train_positions=p, kl=k, agreement=g)
             for s, p, k, g in [(0, 0, 9, 0.0), (10, 100, 5, 0.2), (20, 200, 3, 0.4)]]
     rows += [dict(run="b", step=s, train_positions=p, kl=k, agreement=g) for s, p, k, g in [(0, 0, 8, 0.1), (5, 150, 4, 0.3)]]
-    common, at = heldout.at_equal_positions(rows)
+    common, at = heldout_report.at_equal_positions(rows)
     assert common == 150  # b's last; a is interpolated between its steps 10 and 20, b is its step 5
     assert at["a"] == dict(kl=pytest.approx(4.0), agreement=pytest.approx(0.3), between=[10, 20])
     assert at["b"] == dict(kl=4.0, agreement=0.3, between=[5])
@@ -121,13 +122,52 @@ def test_runs_differing_only_in_seed_are_grouped(tmp_path):
             for arm, kw in (("base", {}), ("norm", dict(anchor_norm=True))) for seed in (0, 1, 2)]
     equal = {r.path.name: dict(kl=5.0 + i, agreement=0.1 * (i % 3 + 1), agreement_by_fill=[0.2, 0.1 * i])
              for i, r in enumerate(runs)}
-    got = heldout.by_setting(runs, equal)
+    got = heldout_report.by_setting({r.path.name: r.tc.to_flat() for r in runs}, equal)
     assert set(got) == {"anchor_norm=False", "anchor_norm=True"}
     base = got["anchor_norm=False"]
     assert base["runs"] == ["base-s0", "base-s1", "base-s2"]
     assert base["kl"] == dict(mean=6.0, min=5.0, max=7.0)
     assert base["agreement"] == dict(mean=pytest.approx(0.2), min=0.1, max=pytest.approx(0.3))
     assert base["agreement_by_fill"] == [pytest.approx(0.2), pytest.approx(0.1)]
+
+
+def test_reports_from_several_sessions_join_into_one_table(tmp_path, capsys):
+    """--merge: two sessions' reports on one held-out set make one table, a setting's seeds pooled across
+    them; a report on another set (its digest), one scoring a run again, or one without configs is refused."""
+    held = dict(offset=400, count=100, turns="every", sources=["gsm8k"], max_len=512, sequences=3, repeats=0,
+                positions=90, digest="ab12", fills_seed=heldout.SEED)
+    configs = {f"{arm}-s{seed}": TrainConfig.of(seed=seed, lr=lr).to_flat()
+               for arm, lr in (("lr1e-3", 1e-3), ("lr3e-4", 3e-4)) for seed in (0, 1, 2)}
+
+    def session(names, agreement, held=held):
+        rows = [dict(run=n, step=s, train_positions=100 * s, kl=5.0 - s, agreement=agreement + 0.01 * i + 0.1 * s)
+                for i, n in enumerate(names) for s in (0, 2)]
+        out = tmp_path / "-".join(names)
+        heldout_report.report(rows, {n: configs[n] for n in names}, held, out)
+        return str(out / "heldout.json")
+
+    a, b = session(["lr1e-3-s0", "lr3e-4-s0"], 0.2), session(["lr1e-3-s1", "lr3e-4-s1"], 0.3)
+    assert heldout.main(["--merge", a, b, "--out", str(tmp_path / "all")]) == 0
+    joined = json.loads((tmp_path / "all" / "heldout.json").read_text())
+    assert set(joined["configs"]) == set(configs) - {"lr1e-3-s2", "lr3e-4-s2"} and len(joined["rows"]) == 8
+    fast = joined["by_setting"]["lr=0.001"]
+    assert fast["runs"] == ["lr1e-3-s0", "lr1e-3-s1"]
+    assert fast["agreement"] == dict(mean=pytest.approx(0.45), min=pytest.approx(0.4), max=pytest.approx(0.5))
+    assert "| lr=0.0003 | 2 |" in (tmp_path / "all" / "heldout.md").read_text()
+
+    other = session(["lr1e-3-s2"], 0.2, dict(held, digest="cd34"))
+    assert heldout.main(["--merge", a, other, "--out", str(tmp_path / "x")]) == 2
+    assert "different held-out sets (digest: ab12 vs cd34)" in capsys.readouterr().err
+    assert heldout.main(["--merge", a, a, "--out", str(tmp_path / "x")]) == 2
+    assert "'lr1e-3-s0' is in two of the reports" in capsys.readouterr().err
+    old = json.loads(Path(a).read_text())
+    del old["configs"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert heldout.main(["--merge", str(tmp_path / "old.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "score its runs again to merge them" in capsys.readouterr().err
+    assert heldout.main(["--merge", a]) == 2  # nowhere to write the joined report
+    assert "--out" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 class _Tokenizer:
@@ -225,6 +265,12 @@ def test_cli_scores_runs_on_the_targets_replies(smollm2, tmp_path, monkeypatch, 
     # only the steps asked for; one the run does not keep, or a run that trained on conversation 8, is refused
     assert heldout.main([str(run), "--offset", "8", "--count", "2", "--steps", "2", "--out", str(tmp_path / "c2")]) == 0
     assert [x["step"] for x in json.loads((tmp_path / "c2" / "heldout.json").read_text())["rows"]] == [0, 2]
+    # a report joins another session's only on the same set: this one's digest is the sequences'
+    assert res["heldout"]["digest"] == heldout.set_digest(seqs)
+    assert heldout.main([str(tmp_path / "random"), "--offset", "8", "--count", "2", "--merge",
+                         str(tmp_path / "c2" / "heldout.json"), "--out", str(tmp_path / "c3")]) == 0
+    joined = json.loads((tmp_path / "c3" / "heldout.json").read_text())["rows"]
+    assert joined == [res["rows"][i] for i in (0, 2, 3)]  # c2's two states, then the random start, as scored before
     assert heldout.main([str(run), "--offset", "8", "--count", "2", "--steps", "5"]) == 2
     assert heldout.main([str(run), "--offset", "4"]) == 2
     err = capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Score training runs side by side on one held-out set: the target's own greedy replies.
 
     python -m train.heldout RUN [RUN ...] [--offset 400] [--count 32] [--steps 20,40] [--turns first|every]
-                            [--out DIR]
+                            [--merge REPORT.json ...] [--out DIR]
+    python -m train.heldout --merge REPORT.json [REPORT.json ...] --out DIR
 
 At inference a drafter is checked against the target's own continuation, so that is what the held-out
 set holds, whatever a run trained on (the dataset's responses or the target's: `responses`). The set:
@@ -22,9 +23,14 @@ are compared) and top-1 agreement with the target, which for a PSM is the chance
 accepted at the simulated fill. The simulated pipeline fills are one fixed draw shared by all runs, so
 the scores differ only by the drafters' weights. Runs meant for comparison should keep many checkpoints
 (`save_every`, `keep`): the comparison at equal data interpolates between the two around it.
-Writes heldout.json (a row per run and step), heldout.md (the table, and every run at the largest number
-of training positions all reached, with the checkpoints it lies between) and heldout.png (both scores
-against training positions).
+Writes heldout.json (a row per run and step, each run's config, the held-out set with its digest),
+heldout.md (the table, and every run at the largest number of training positions all reached, with the
+checkpoints it lies between) and heldout.png (both scores against training positions).
+
+`--merge` joins earlier reports' rows to this one's: a sweep too long for one session is scored a few
+runs at a time, and its table is built from the reports (the runs' directories need not exist any more).
+The rows compare because the set (its digest: every sequence's tokens and mask) and the fills' seed are
+fixed; a report on another set is refused, as is a run name two reports share.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import sys
@@ -40,24 +47,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 
 import spd_jax
 from spd_jax.progress import progress_bar
-from spd_jax.reports.plots import positions_axis
 from train import checkpoints, corpus, data, distill, replies, step
 from train.config import TrainConfig
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 -- after the backend is chosen: no display is needed
+from train.heldout_report import read_reports, report, same_set
 
 log = logging.getLogger("train.heldout")
 
 SEED = 20261202  # the fixed draw of simulated fills every run is scored under
 BATCH = 8  # held-out sequences per scored batch: a training batch's size, so its memory is known to fit
-# Config keys that only say how a run was logged or saved: not what a comparison is about.
-BOOKKEEPING = ("save_every", "keep", "log_every", "eval_every", "eval_prompts", "eval_tokens", "distill_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +75,22 @@ def read_run(path: Path) -> Run:
     return Run(path, TrainConfig.from_dict(json.loads(rec.read_text())["config"]))
 
 
-def check_runs(runs: list[Run], offset: int, count: int) -> None:
-    """One target, method and data definition for all; none may have seen the held-out conversations."""
-    first = runs[0].tc
-    for r in runs:
-        mine, theirs = r.tc.to_flat(), first.to_flat()
+def check_like(configs: dict[str, dict]) -> None:
+    """One target, method, data definition and fill rate for all runs (configs: name -> flat config)."""
+    first, theirs = next(iter(configs.items()))
+    for name, mine in configs.items():
         for key in ("model", "method", "sources", "max_len", "fill_accept"):
-            if mine[key] != theirs[key]:
-                raise ValueError(f"{r.path} has {key}={mine[key]!r}, {runs[0].path} {theirs[key]!r}: "
+            if mine.get(key) != theirs.get(key):
+                raise ValueError(f"{name} has {key}={mine.get(key)!r}, {first} {theirs.get(key)!r}: "
                                  "runs are compared on one held-out set of one target's replies with one objective; "
                                  "compare like runs")
+
+
+def check_runs(runs: list[Run], offset: int, count: int) -> None:
+    """One target, method and data definition for all (`check_like`); none may have seen the held-out
+    conversations."""
+    check_like({str(r.path): r.tc.to_flat() for r in runs})
+    for r in runs:
         d = r.tc.data
         if d.replies is not None:
             check_replies_heldout(r, offset, count)
@@ -273,121 +280,59 @@ def score_run(model, run: Run, teacher: Teacher, steps: list[int] = (), show_pro
     return rows
 
 
-def differences(runs: list[Run], ignore: tuple[str, ...] = ()) -> dict[str, str]:
-    """Run name -> the training settings that differ between the runs (defaults filled in; bookkeeping
-    keys and `ignore` left out; `steps` kept: it sets the learning-rate schedule)."""
-    cfgs = [{k: v for k, v in r.tc.to_flat().items() if k not in BOOKKEEPING + ignore} for r in runs]
-    varying = [k for k in cfgs[0] if len({json.dumps(c[k], sort_keys=True) for c in cfgs}) > 1]
-    return {r.path.name: ", ".join(f"{k}={c[k]}" for k in varying) or "-" for r, c in zip(runs, cfgs)}
+def set_digest(seqs: list[tuple[np.ndarray, np.ndarray]]) -> str:
+    """What makes two held-out sets one: every sequence's tokens and loss mask, in order."""
+    h = hashlib.sha256()
+    for ids, mask in seqs:
+        h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
 
 
-def at_equal_positions(rows: list[dict]) -> tuple[int, dict[str, dict]]:
-    """The largest training positions every run reached, and each run's scores there, linearly
-    interpolated between the two scored states around it (`between`: their steps; one step when a
-    checkpoint lies there)."""
-    by_run = collections.defaultdict(list)
-    for r in rows:
-        by_run[r["run"]].append(r)
-    common = min(max(r["train_positions"] for r in rs) for rs in by_run.values())
-    out = {}
-    for name, rs in by_run.items():
-        rs = sorted(rs, key=lambda r: r["train_positions"])
-        x = [r["train_positions"] for r in rs]
-        hi = int(np.searchsorted(x, common))
-        between = [rs[hi]["step"]] if x[hi] == common else [rs[hi - 1]["step"], rs[hi]["step"]]
-        out[name] = {k: float(np.interp(common, x, [r[k] for r in rs])) for k in ("kl", "agreement")}
-        if all("agreement_by_fill" in r for r in rs):
-            by = np.asarray([r["agreement_by_fill"] for r in rs])
-            out[name]["agreement_by_fill"] = [float(np.interp(common, x, by[:, k])) for k in range(by.shape[1])]
-        out[name]["between"] = between
-    return common, out
-
-
-def by_setting(runs: list[Run], equal: dict[str, dict]) -> dict[str, dict]:
-    """Runs that differ only in their seed, grouped: setting (the settings that differ but the seed) ->
-    {runs, kl and agreement as mean, min, max over the seeds at equal positions, agreement_by_fill's mean}."""
-    groups: dict[str, list[str]] = collections.defaultdict(list)
-    for name, setting in differences(runs, ignore=("seed",)).items():
-        groups[setting].append(name)
-    out = {}
-    for setting, names in groups.items():
-        row: dict = dict(runs=names)
-        for k in ("kl", "agreement"):
-            v = [equal[name][k] for name in names]
-            row[k] = dict(mean=float(np.mean(v)), min=float(min(v)), max=float(max(v)))
-        if all("agreement_by_fill" in equal[name] for name in names):
-            row["agreement_by_fill"] = np.mean([equal[name]["agreement_by_fill"] for name in names], 0).tolist()
-        out[setting] = row
-    return out
-
-
-def report(rows: list[dict], runs: list[Run], heldout: dict, out: Path) -> str:
-    """Write heldout.json, heldout.md and heldout.png to `out`; -> the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    diff = differences(runs)
-    common, equal = at_equal_positions(rows)
-    settings = by_setting(runs, equal)
-    (out / "heldout.json").write_text(json.dumps(dict(heldout=heldout, runs={k: str(r.path) for k, r in zip(diff, runs)},
-                                                      differences=diff, rows=rows, equal_positions=common,
-                                                      at_equal_positions=equal, by_setting=settings), indent=1))
-    turns = "turns" if heldout.get("turns") == "every" else "first turns"
-    lines = [f"Held-out set: {heldout['sequences']} {turns} (conversations {heldout['offset']} .. "
-             f"{heldout['offset'] + heldout['count'] - 1} of each of {', '.join(heldout['sources'])}, less "
-             f"{heldout['repeats']} repeating a training prompt), the target's greedy replies, {heldout['positions']:,} "
-             f"scored positions; fills drawn once (seed {SEED}) for all runs; float32.",
-             "", f"At {common:,} training positions (the most every run reached; interpolated between the steps named):",
-             "", "| run | differs in | steps | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {diff[name]} | {' - '.join(map(str, v['between']))} | {v['kl']:.3f} | {v['agreement']:.4f} |"
-              for name, v in equal.items()]
-    if len(settings) < len(runs):  # some runs differ only by seed: their mean and spread
-        lines += ["", "Runs that differ only in their seed, at the same positions (mean, and min .. max over the seeds; "
-                  "spread = max - min):", "",
-                  "| setting | seeds | held-out KL | top-1 agreement | agreement spread |" +
-                  (" agreement by fill k = 1 .. n (mean) |" if all("agreement_by_fill" in s for s in settings.values()) else ""),
-                  "|---|---|---|---|---|" + ("---|" if all("agreement_by_fill" in s for s in settings.values()) else "")]
-        for setting, s in settings.items():
-            kl, ag = s["kl"], s["agreement"]
-            fills_col = (" " + " / ".join(f"{a:.3f}" for a in s["agreement_by_fill"]) + " |"
-                         if "agreement_by_fill" in s else "")
-            lines.append(f"| {setting} | {len(s['runs'])} | {kl['mean']:.3f} ({kl['min']:.3f} .. {kl['max']:.3f}) | "
-                         f"{ag['mean']:.4f} ({ag['min']:.4f} .. {ag['max']:.4f}) | {ag['max'] - ag['min']:.4f} |{fills_col}")
-    fills = {len(v["agreement_by_fill"]) for v in equal.values() if "agreement_by_fill" in v}
-    if len(fills) == 1 and all("agreement_by_fill" in v for v in equal.values()):
-        n = fills.pop()
-        lines += ["", "Top-1 agreement by simulated fill (k: the draft's distance from the newest completed token), at "
-                  "the same positions:", "", "| run | " + " | ".join(f"k={k}" for k in range(1, n + 1)) + " |",
-                  "|---|" + "---|" * n]
-        lines += [f"| {name} | " + " | ".join(f"{a:.4f}" for a in v["agreement_by_fill"]) + " |"
-                  for name, v in equal.items()]
-    lines += ["", "Every scored state (step 0: the initial weights):", "",
-              "| run | step | training positions | held-out KL | held-out top-1 agreement |", "|---|---|---|---|---|"]
-    lines += [f"| {r['run']} | {r['step']} | {r['train_positions']:,} | {r['kl']:.3f} | {r['agreement']:.4f} |"
-              for r in rows]
-    md = "\n".join(lines) + "\n"
-    (out / "heldout.md").write_text(md)
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name in diff:
-        rs = [r for r in rows if r["run"] == name]
-        x = [r["train_positions"] for r in rs]
-        label = f"{name} ({diff[name]})"
-        ax[0].plot(x, [r["kl"] for r in rs], "o-", label=label)
-        ax[1].plot(x, [r["agreement"] for r in rs], "o-", label=label)
-    ax[0].set(title="held-out KL(target || drafter)", xlabel="training positions", yscale="log")
-    ax[1].set(title="held-out top-1 agreement with the target", xlabel="training positions")
-    for a in ax:
-        a.grid(alpha=0.3)
-        positions_axis(a)
-    ax[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "heldout.png", dpi=110)
-    plt.close(fig)
-    return md
+def inputs(args) -> tuple:
+    """-> (runs, the target, each run's steps to score, the held-out sequences, the held-out set's record,
+    the merged reports' rows and configs), every argument, run and report checked; raises ValueError,
+    FileNotFoundError or ImportError for what the user can fix. Only --merge: (None, ..., the reports')."""
+    if args.offset < 0 or args.count < 1:
+        raise ValueError(f"--offset must be >= 0 and --count >= 1 (got {args.offset}, {args.count})")
+    try:
+        steps = None if args.steps is None else {int(x) for x in args.steps.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"--steps {args.steps!r} is not a comma-separated list of steps (e.g. 20,40,60)") from None
+    old_rows, old_configs, old_held = read_reports(args.merge)
+    if not args.runs:
+        if not args.merge or not args.out:
+            raise ValueError("name the runs to score, or the reports to join (--merge) and where the joined one goes (--out)")
+        check_like(old_configs)
+        return None, None, None, None, old_held, old_rows, old_configs
+    runs = [read_run(p) for p in args.runs]
+    if len({r.path.name for r in runs}) < len(runs):
+        raise ValueError("two runs share a directory name, which the report names them by: rename one")
+    if both := sorted({r.path.name for r in runs} & set(old_configs)):
+        raise ValueError(f"run(s) {', '.join(both)} are in a merged report already: score a run once, or leave that "
+                         "report out")
+    check_runs(runs, args.offset, args.count)
+    check_like({**old_configs, **{r.path.name: r.tc.to_flat() for r in runs}})
+    tc = runs[0].tc
+    model = spd_jax.load_model(tc.model.name)
+    scored = [checkpoints_to_score(r, steps) for r in runs]
+    # a replies corpus has dropped its own repeats of held-out first turns: nothing of it to drop here
+    seen = max(0 if r.tc.data.replies else r.tc.data.skip + r.tc.data.limit for r in runs)
+    seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch, args.turns == "every")
+    kept = without_trained_prompts(seqs, runs)
+    seqs, repeats = kept, repeats + len(seqs) - len(kept)
+    heldout = dict(offset=args.offset, count=args.count, turns=args.turns, sources=list(tc.data.sources),
+                   max_len=tc.data.max_len, sequences=len(seqs), repeats=repeats,
+                   positions=sum(int(m.sum()) for _, m in seqs), digest=set_digest(seqs), fills_seed=SEED)
+    if old_held is not None:
+        same_set(old_held, heldout, f"the runs named and {args.merge[0]}")
+    return runs, model, scored, seqs, heldout, old_rows, old_configs
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.heldout", description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="training run directories (train.main --out), trained with limit <= --offset")
+    ap.add_argument("runs", nargs="*", help="training run directories (train.main --out), trained with limit <= --offset")
     ap.add_argument("--offset", type=int, default=400, help="first held-out conversation index of each source")
     ap.add_argument("--count", type=int, default=32, help="held-out conversations per source")
     ap.add_argument("--steps", help="the checkpoints to score, e.g. 20,40,60 (default: every kept one; the "
@@ -396,43 +341,31 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", choices=["first", "every"], default="first",
                     help="the held-out conversations' first user turns, or every turn with its context (as a "
                          "replies corpus asks them)")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="REPORT",
+                    help="earlier reports (heldout.json) on the same held-out set, whose rows join this report's")
     ap.add_argument("--out", help="where heldout.json/.md/.png go (default: the first run's directory)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    # What the user can fix (arguments, run directories, data, a missing file or the `train` extra) ends
-    # with `error: ...` and status 2; errors while scoring are not caught.
+    # What the user can fix (arguments, run directories, reports, data, a missing file or the `train` extra)
+    # ends with `error: ...` and status 2; errors while scoring are not caught.
     try:
-        if args.offset < 0 or args.count < 1:
-            raise ValueError(f"--offset must be >= 0 and --count >= 1 (got {args.offset}, {args.count})")
-        try:
-            steps = None if args.steps is None else {int(x) for x in args.steps.split(",") if x.strip()}
-        except ValueError:
-            raise ValueError(f"--steps {args.steps!r} is not a comma-separated list of steps (e.g. 20,40,60)") from None
-        runs = [read_run(p) for p in args.runs]
-        if len({r.path.name for r in runs}) < len(runs):
-            raise ValueError("two runs share a directory name, which the report names them by: rename one")
-        check_runs(runs, args.offset, args.count)
-        tc = runs[0].tc
-        model = spd_jax.load_model(tc.model.name)
-        scored = [checkpoints_to_score(r, steps) for r in runs]
-        # a replies corpus has dropped its own repeats of held-out first turns: nothing of it to drop here
-        seen = max(0 if r.tc.data.replies else r.tc.data.skip + r.tc.data.limit for r in runs)
-        seqs, repeats = heldout_set(model, tc, args.offset, args.count, seen, args.batch, args.turns == "every")
-        kept = without_trained_prompts(seqs, runs)
-        seqs, repeats = kept, repeats + len(seqs) - len(kept)
+        runs, model, scored, seqs, heldout, old_rows, old_configs = inputs(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if runs is None:
+        print(report(old_rows, old_configs, heldout, Path(args.out)))
+        return 0
+    tc = runs[0].tc
     specs = [step.drafter_spec(model, r.tc) for r in runs]
     # PSMs share one teacher forward (at all their anchors); EAGLE-3 drafters' loss runs its own
     anchors = (tuple(sorted({a for s in specs for a in s.anchors})) if all(r.tc.drafter.kind.staged for r in runs)
                else None)
     teacher = Teacher(model, tc, seqs, tc.data.buckets, anchors)
     rows = [row for run, st in zip(runs, scored) for row in score_run(model, run, teacher, st)]
-    heldout = dict(offset=args.offset, count=args.count, turns=args.turns, sources=list(tc.data.sources), max_len=tc.data.max_len,
-                   sequences=len(seqs), repeats=repeats, positions=sum(int(m.sum()) for _, m in seqs))
-    print(report(rows, runs, heldout, Path(args.out) if args.out else runs[0].path))
+    configs = {**old_configs, **{r.path.name: r.tc.to_flat() for r in runs}}
+    print(report(old_rows + rows, configs, heldout, Path(args.out) if args.out else runs[0].path))
     return 0
 
 
