@@ -152,6 +152,17 @@ def conversations(tc: TrainConfig):
                 yield src, msgs
 
 
+def hash_sequences(seqs, h=None):
+    """Feed every sequence's tokens and loss mask ([(ids [T], mask [T])], in order) into the hashlib object h
+    (a new sha256 without one) -> h: what the teacher cache's key and the held-out set's digest hash."""
+    h = hashlib.sha256() if h is None else h
+    for ids, mask in seqs:
+        h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
+        h.update(b"|")
+    return h
+
+
 def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
     """[(ids [T], mask [T])] -> one npz, written atomically (processes of one job may write side by side)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ from typing import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from train.data import hash_sequences
+
 # 2: the teacher's argmax at the query positions stored beside the features, the masks in the key; a
 # version-1 directory is not read (its key differs): the first run recomputes, the old one can be deleted
 VERSION = 2
@@ -47,11 +49,7 @@ def cache_key(corpus: Sequence[tuple[np.ndarray, np.ndarray]], model_path: str, 
     """What the features depend on: every sequence's tokens and loss mask (in order: the mask places the
     stored argmax), the target, its anchors, the dtype."""
     h = hashlib.sha256(json.dumps([VERSION, str(model_path), list(anchors), hidden, dtype]).encode())
-    for ids, mask in corpus:
-        h.update(np.asarray(ids, np.int32).tobytes())
-        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
-        h.update(b"|")
-    return h.hexdigest()[:16]
+    return hash_sequences(corpus, h).hexdigest()[:16]
 
 
 class TeacherCache:

@@ -39,7 +39,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import sys
@@ -282,12 +281,7 @@ def score_run(model, run: Run, teacher: Teacher, steps: list[int] = (), show_pro
 
 def set_digest(seqs: list[tuple[np.ndarray, np.ndarray]]) -> str:
     """What makes two held-out sets one: every sequence's tokens and loss mask, in order."""
-    h = hashlib.sha256()
-    for ids, mask in seqs:
-        h.update(np.asarray(ids, np.int32).tobytes())
-        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
-        h.update(b"|")
-    return h.hexdigest()[:16]
+    return data.hash_sequences(seqs).hexdigest()[:16]
 
 
 def inputs(args) -> tuple:
