@@ -80,3 +80,30 @@ def test_a_batch_lays_out_each_rows_response_positions_as_its_queries_padded_to_
     # small buckets stay the query sizes below QUERY_STEP, and Q never exceeds T
     small = pad_batch([(np.arange(30, dtype=np.int32), np.arange(30) >= 20)], (16, 32))
     assert small["query"].shape == (1, 16) and small["tokens"].shape == (1, 32)
+
+
+def test_batches_share_a_token_bucket_and_sort_by_response_count_within_it():
+    """ORDER 2: within a window, sequences sort by the bucket they pad to, then by response positions: the same
+    padded tokens as sorting by length, fewer padded query slots (the cached step's cost), every sequence once."""
+    from train.config import TrainConfig
+    from train.corpus import Batches, batch_order, pad_batch
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(1024):  # prompts of any length, then replies of any length: length says little of either
+        length = int(rng.integers(20, 512))
+        mask = np.arange(length) >= length - int(rng.integers(1, length))
+        rows.append((np.zeros(length, np.int32), mask))
+    tc = TrainConfig.of(batch_size=8)
+    batches = Batches(rows, tc)
+    idx = np.concatenate([batches.indices(i) for i in range(len(batches))])
+    assert len(idx) == len(set(idx.tolist())) == 1024
+
+    def padded(order):
+        shapes = [pad_batch([rows[k] for k in b], tc.data.buckets) for b in order]
+        return sum(s["tokens"].size for s in shapes), sum(s["query"].size for s in shapes)
+
+    by_length = batch_order(np.asarray([len(i) for i, _ in rows]), tc, 0)  # ORDER 1's key
+    tokens, queries = padded(batches.indices(i) for i in range(len(batches)))
+    tokens_1, queries_1 = padded(by_length)
+    assert tokens == tokens_1 and queries < 0.85 * queries_1

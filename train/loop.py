@@ -141,6 +141,10 @@ def check_continues(args, recorded: dict, identity: dict, tc: TrainConfig, out: 
         checkpoints.check_resume(recorded["identity"], identity)
         if args.resume:
             checkpoints.check_same_data(recorded["config"], tc)
+            if recorded.get("data_order", 1) != corpus.ORDER:  # recorded since order 2; before it, 1
+                raise ValueError(f"its batches were formed in data order {recorded.get('data_order', 1)}, this "
+                                 f"version forms them in order {corpus.ORDER} (train.corpus.ORDER): a resume would "
+                                 "see other data; train a new run with --out")
     except ValueError as e:
         raise ValueError(f"--{'resume' if args.resume else 'export'}: {out}: {e}") from None
     return recorded
@@ -255,7 +259,7 @@ def _record(args, argv: list[str], run: Run, recorded: dict, identity: dict) -> 
             config["init_digest"] = run.warm_start["digest"]
         run.config = config
         rec.update(identity=identity, config=config, recipe=run.recipe, mesh=args.mesh,
-                   processes=jax.process_count())
+                   processes=jax.process_count(), data_order=corpus.ORDER)
         rec["commands"] = rec.get("commands", []) + [cmd]
         if run.warm_start:
             rec["warm_start"] = run.warm_start
