@@ -136,6 +136,7 @@ def test_distill_bad_input(tmp_path, capsys):
 @pytest.mark.parametrize("values,needle", [
     (dict(buckets=[]), "buckets=[]"),
     (dict(buckets=[128, 0]), "buckets=[128, 0]"),
+    (dict(buckets=[512, 128]), "buckets=[512, 128]"),  # a batch pads to the first that holds it: ascending
     (dict(weight_decay=-0.1), "weight_decay=-0.1"),
     (dict(max_len=0), "max_len=0"),
     (dict(prompt_pattern=123), "prompt_pattern=123 is not a string (or null)"),

@@ -336,13 +336,13 @@ class TrainConfig:
         bad += [f"{k}={getattr(self, k)}" for k in ("lr", "tau", "clip") if not 0 < getattr(self, k) < math.inf]
         if da.limit is not None and da.limit < 1:
             bad.append(f"limit={da.limit}")
-        if not da.buckets or min(da.buckets) < 1:
-            bad.append(f"buckets={list(da.buckets)}")
+        if not da.buckets or min(da.buckets) < 1 or list(da.buckets) != sorted(set(da.buckets)):
+            bad.append(f"buckets={list(da.buckets)}")  # ascending: a batch pads to the first that holds it
         if bad:
             raise ConfigError(f"training config {', '.join(bad)}: {', '.join(counts)} must be at least 1; warmup, "
                               "heldout, eval_prompts, eval_tokens, draft_vocab, hard_weight and weight_decay at least "
                               "0; lr, tau and clip above 0; limit at least 1 or null; buckets one length or more, "
-                              "each at least 1")
+                              "ascending, each at least 1")
         if da.max_len > max(da.buckets):
             raise ConfigError(f"max_len {da.max_len} exceeds the largest bucket {max(da.buckets)}")
 

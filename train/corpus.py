@@ -94,7 +94,7 @@ def sort_keys(corpus: list, buckets: Sequence[int]) -> np.ndarray:
     their response positions (ORDER 2)."""
     lengths = np.asarray([len(i) for i, _ in corpus], np.int64)
     responses = np.asarray([int(np.sum(m)) for _, m in corpus], np.int64)
-    bucket = np.searchsorted(np.sort(np.asarray(buckets)), lengths)  # past the largest: pad_batch refuses it
+    bucket = np.searchsorted(np.asarray(buckets), lengths)  # ascending (the config's check); past the last: refused
     return bucket * (int(lengths.max(initial=0)) + 1) + responses
 
 
