@@ -26,10 +26,11 @@ def _sweep_file(tmp_path, **over) -> Path:
 
 def test_the_shipped_sweep_runs_every_arm_at_each_seed_in_order():
     sweep = train_sweep.load_sweep(SHIPPED)  # every arm's overrides load as a config
+    # (whether this checkout's runs/ holds a checkpoint of it decides --resume: left out here)
     names = [a.name for a in sweep.arms]
     assert len(names) == len(set(names)) == 24
     assert names[:3] == ["r1m-lr1e-3-s0", "r1m-lr3e-4-s0", "r1m-lr2e-3-s0"] and names[8] == "r1m-lr1e-3-s1"
-    assert sweep.train_cmd(sweep.arms[1])[2:] == [
+    assert [x for x in sweep.train_cmd(sweep.arms[1])[2:] if x != "--resume"] == [
         "train.main", "--config", "configs/train/smollm2-n8-replies.yaml", "--mesh", "1x1", "--out",
         "runs/r1m-lr3e-4-s0", "lr=3e-4", "seed=0"]
     assert sweep.score_cmd(sweep.arms[1])[2:] == [
@@ -65,8 +66,11 @@ def test_arms_run_until_the_deadline_and_a_report_marks_each_done(tmp_path):
     assert ran == ["train.main", "train.heldout", "train.heldout"] * 2  # train, score, merge
     assert json.loads((tmp_path / "reports" / "r1m-lr1e-3-s1.json").read_text()) == {"run": str(tmp_path / "runs" / "r1m-lr1e-3-s1")}
     assert not (tmp_path / "reports" / "r1m-lr3e-4-s1.json").exists()
-    # a run directory this session left behind is resumed, not refused
-    assert "--resume" in sweep.train_cmd(left[0]) and "--resume" not in sweep.train_cmd(left[2])
+    # a run directory holding a checkpoint is resumed; one whose command stopped before its first save (orbax
+    # makes ckpt/ at once) starts again, or train.main would refuse --resume without a checkpoint
+    (tmp_path / "runs" / "r1m-lr1e-3-s0" / "ckpt" / "138").mkdir(parents=True)
+    (tmp_path / "runs" / "r1m-lr3e-4-s1" / "ckpt").mkdir(parents=True)
+    assert "--resume" in sweep.train_cmd(sweep.arms[0]) and "--resume" not in sweep.train_cmd(left[2])
 
 
 def test_an_arm_whose_scoring_fails_gets_no_report(tmp_path):
@@ -83,13 +87,25 @@ def test_an_arm_whose_scoring_fails_gets_no_report(tmp_path):
 
 @pytest.mark.parametrize("over, message", [
     (dict(arms={"x": ["lr"]}), "arms map each arm's name to its list of key=value overrides"),
-    (dict(arms={"x": ["seed=3"]}), "an arm may not set seed"),
+    (dict(arms={"x": ["seed=3"]}), "arm x sets seed or steps"),
     (dict(arms={"x": ["lrr=3e-4"]}), "arm x: unknown"),
     (dict(score=dict(offset=1, turn="every")), "score takes offset, count, turns, steps"),
-    (dict(minutes=dict(first=-1)), "minutes takes first and arm"),
+    (dict(arms={"x": ["steps=10"]}), "arm x sets seed or steps"),
+    (dict(arms={"a/b": []}), "must be letters, digits"),
+    (dict(arms=["lr=3e-4"]), "arms map each arm's name"),
+    (dict(seeds=[0, 0]), "seeds must be a list of distinct integers"),
+    (dict(seeds=3), "seeds must be a list"),
+    (dict(score=dict(offset=1, turn="every")), "score takes offset, count, turns, steps"),
+    (dict(score="every"), "score takes"),
+    (dict(minutes=dict(first=-1, arm=1)), "minutes takes first and arm"),
+    (dict(minutes=dict(first=10, arm=20)), "first, which pays the session's one-off work, at least arm's"),
+    (dict(minutes=None), "minutes takes first and arm"),
+    (dict(table="REPORTS"), "table and reports must differ"),
     (dict(colour="blue"), "a sweep file has the keys"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_problem(tmp_path, over, message):
+    if over.get("table") == "REPORTS":
+        over = dict(table=str(tmp_path / "reports"))
     with pytest.raises(ValueError, match=message):
         train_sweep.load_sweep(_sweep_file(tmp_path, **over))
 
@@ -101,6 +117,12 @@ def test_the_cli_lists_the_arms_left_and_refuses_a_past_deadline(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("sweep: 0 of 4 arms reported; 4 to run"), r.stderr
     assert [json.loads(x)["run"] for x in r.stdout.splitlines()[1:]] == [
         "r1m-lr1e-3-s0", "r1m-lr3e-4-s0", "r1m-lr1e-3-s1", "r1m-lr3e-4-s1"]
+    r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--only", "lr3e-5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--only lr3e-5: no such arm or run; the arms: lr1e-3, lr3e-4" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--until", "00:00"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "already past" in r.stderr and "read as today's" in r.stderr
     with pytest.raises(ValueError, match="already past"):
         train_sweep.deadline("00:00", dt.datetime(2026, 12, 7, 20, 0))
     with pytest.raises(ValueError, match="as HH:MM"):

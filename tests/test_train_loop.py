@@ -824,7 +824,7 @@ def test_cli_trains_eagle3(smollm2, tmp_path):
     (out / "run.json").write_text(json.dumps({k: v for k, v in run_json.items() if k != "data_order"}))
     r = subprocess.run(common + ["--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
-    assert r.returncode == 2 and "formed in data order 1, this version forms them in order 2" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and f"formed in data order 1, this version forms them in order {train_corpus.ORDER}" in r.stderr, r.stderr[-3000:]
     (out / "run.json").unlink()  # the run's identity and data order are gone: nothing to check a resume against
     r = subprocess.run(common + ["--resume", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)

@@ -10,8 +10,8 @@ file's order (every arm at the first seed, then at the next). After each arm the
 report (`train.heldout --merge`). A run directory left by an interrupted command of this session is resumed.
 
 --until: the wall-clock time (today, this machine's clock) by which the sweep must have stopped: an arm starts
-only if its estimate ends before it. The estimates are the sweep file's `minutes` (measured on the machine
-it names): `first`, for the first arm this command runs (it fills the teacher cache and generates the held-out
+only if its estimate ends before it. The estimates are the sweep file's `minutes` (required; measured on the
+machine it names): `first`, for the first arm this command runs (it fills the teacher cache and generates the held-out
 set, both lost with the machine), then `arm`, raised to the longest arm this command has run. A report is
 never written for a run that did not finish: a stopped one is not a row of the table.
 """
@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import shutil
+import re
 import subprocess
 import sys
 import time
@@ -32,13 +32,17 @@ from typing import Callable
 import yaml
 
 from train.config import load
+from train.replies import write_atomic
 
 KEYS = {"recipe", "mesh", "prefix", "runs", "reports", "table", "seeds", "arms", "score", "minutes"}
+REQUIRED = ("recipe", "arms", "seeds", "reports", "minutes")
 SCORE_KEYS = ("offset", "count", "turns", "steps")
+NAME = re.compile(r"[A-Za-z0-9][\w.-]*")  # an arm's or prefix's name becomes part of a directory's
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
+    """One arm at one seed: a training run."""
     name: str  # the run's name: <prefix>-<arm>-s<seed>
     arm: str
     seed: int
@@ -47,19 +51,23 @@ class Arm:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
+    """A sweep file, read (`load_sweep`): its arms at every seed, in the order they run."""
     recipe: str
     mesh: str
     runs: Path
     reports: Path
     table: Path
     score: dict
-    minutes: dict
+    minutes: dict  # {"first": estimate of the first arm a command runs, "arm": of the others}
     arms: tuple[Arm, ...]
 
     def train_cmd(self, arm: Arm) -> list[str]:
-        resume = ["--resume"] if (self.runs / arm.name / "ckpt").is_dir() else []
+        """train.main for the arm; --resume when its run directory holds a checkpoint (a command of this session
+        stopped after saving one; `ckpt/` alone is made before the first step, so it does not count)."""
+        ckpt = self.runs / arm.name / "ckpt"
+        saved = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())  # orbax's step directories
         return [sys.executable, "-m", "train.main", "--config", self.recipe, "--mesh", self.mesh,
-                "--out", str(self.runs / arm.name), *resume, *arm.overrides]
+                "--out", str(self.runs / arm.name), *(["--resume"] if saved else []), *arm.overrides]
 
     def score_cmd(self, arm: Arm) -> list[str]:
         opts = [x for k in SCORE_KEYS if k in self.score for x in (f"--{k}", str(self.score[k]))]
@@ -71,6 +79,48 @@ class Sweep:
                 "--out", str(self.table)]
 
 
+def _check_arms(path: Path, d: dict) -> None:
+    """The arms' names and overrides, and that every arm's config loads (a misspelt key fails now, not
+    sessions later)."""
+    arms = d["arms"]
+    if not isinstance(arms, dict) or not arms or not all(
+            isinstance(v, list) and all(isinstance(o, str) and "=" in o for o in v) for v in arms.values()):
+        raise ValueError(f"{path}: arms map each arm's name to its list of key=value overrides (e.g. lr3e-4: "
+                         "[lr=3e-4]; the recipe's own arm: [])")
+    bad = [str(a) for a in arms if not NAME.fullmatch(str(a))]
+    if bad:
+        raise ValueError(f"{path}: arm names {bad} must be letters, digits, '.', '_' or '-' (they name directories)")
+    for name, o in arms.items():
+        if any(x.split("=", 1)[0] in ("seed", "steps") for x in o):
+            raise ValueError(f"{path}: arm {name} sets seed or steps: the sweep's seeds set seed, and every arm "
+                             "keeps the recipe's steps (score.steps scores its last checkpoint)")
+        try:
+            load(d["recipe"], [*o, "seed=0"])
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{path}: arm {name}: {e}") from None
+
+
+def _check_rest(path: Path, d: dict) -> None:
+    """Seeds, scoring, estimates and places."""
+    seeds = d["seeds"]
+    if not isinstance(seeds, list) or not seeds or not all(type(x) is int and x >= 0 for x in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ValueError(f"{path}: seeds must be a list of distinct integers >= 0, got {seeds!r}")
+    score = d.get("score") or {}
+    if not isinstance(score, dict) or set(score) - set(SCORE_KEYS):
+        raise ValueError(f"{path}: score takes {', '.join(SCORE_KEYS)} (train.heldout's options), got {score!r}")
+    m = d["minutes"]
+    if not isinstance(m, dict) or set(m) != {"first", "arm"} or not all(
+            isinstance(v, (int, float)) and v > 0 for v in m.values()) or m["first"] < m["arm"]:
+        raise ValueError(f"{path}: minutes takes first and arm, each arm's estimate in minutes above 0 (first, "
+                         f"which pays the session's one-off work, at least arm's); got {m!r}")
+    if not NAME.fullmatch(str(d.get("prefix", "x"))):
+        raise ValueError(f"{path}: prefix {d.get('prefix')!r} must be letters, digits, '.', '_' or '-'")
+    if Path(d.get("table", Path(d["reports"]).parent)).resolve() == Path(d["reports"]).resolve():
+        raise ValueError(f"{path}: table and reports must differ (the table's own heldout.json would join the next "
+                         "merge as a report)")
+
+
 def load_sweep(path: Path) -> Sweep:
     """A sweep file -> Sweep (paths relative to the working directory, as the recipe's); ValueError naming
     what is wrong."""
@@ -78,35 +128,24 @@ def load_sweep(path: Path) -> Sweep:
     if not path.is_file():
         raise FileNotFoundError(f"sweep file {path} not found (see configs/sweeps/)")
     d = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(d, dict) or set(d) - KEYS or not {"recipe", "arms", "seeds", "reports"} <= set(d):
-        raise ValueError(f"{path}: a sweep file has the keys {sorted(KEYS)}, recipe, arms, seeds and reports "
+    if not isinstance(d, dict) or set(d) - KEYS or not set(REQUIRED) <= set(d):
+        raise ValueError(f"{path}: a sweep file has the keys {sorted(KEYS)}, of which {', '.join(REQUIRED)} are "
                          f"required; got {sorted(d) if isinstance(d, dict) else type(d).__name__}")
-    arms = d["arms"]
-    if not isinstance(arms, dict) or not all(isinstance(v, list) and all("=" in o for o in v) for v in arms.values()):
-        raise ValueError(f"{path}: arms map each arm's name to its list of key=value overrides (e.g. lr3e-4: "
-                         "[lr=3e-4]; the recipe's own arm: [])")
-    if any(o.startswith("seed=") for v in arms.values() for o in v):
-        raise ValueError(f"{path}: an arm may not set seed: the sweep's seeds do")
-    score = dict(d.get("score") or {})
-    if set(score) - set(SCORE_KEYS):
-        raise ValueError(f"{path}: score takes {', '.join(SCORE_KEYS)} (train.heldout's options), got {sorted(score)}")
-    minutes = {"first": 0, "arm": 0, **(d.get("minutes") or {})}
-    if set(minutes) != {"first", "arm"} or not all(isinstance(v, (int, float)) and v >= 0 for v in minutes.values()):
-        raise ValueError(f"{path}: minutes takes first and arm, estimates in minutes >= 0; got {d.get('minutes')}")
-    for name, o in arms.items():  # every arm's config must load (a misspelt key fails now, not sessions later)
-        try:
-            load(d["recipe"], [*o, "seed=0"])
-        except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"{path}: arm {name}: {e}") from None
+    _check_arms(path, d)
+    _check_rest(path, d)
     prefix = d.get("prefix", Path(d["recipe"]).stem)
-    runs = [Arm(f"{prefix}-{a}-s{s}", a, int(s), (*o, f"seed={s}")) for s in d["seeds"] for a, o in arms.items()]
+    arms = [Arm(f"{prefix}-{a}-s{s}", a, s, (*o, f"seed={s}")) for s in d["seeds"] for a, o in d["arms"].items()]
     return Sweep(recipe=d["recipe"], mesh=str(d.get("mesh", "1x1")), runs=Path(d.get("runs", "runs")),
-                 reports=Path(d["reports"]), table=Path(d.get("table", Path(d["reports"]).parent)), score=score,
-                 minutes=minutes, arms=tuple(runs))
+                 reports=Path(d["reports"]), table=Path(d.get("table", Path(d["reports"]).parent)),
+                 score=dict(d.get("score") or {}), minutes=dict(d["minutes"]), arms=tuple(arms))
 
 
 def todo(sweep: Sweep, only: list[str] | None = None) -> list[Arm]:
-    """The arms without a report (of `only`, run names or arm names, when given), in the sweep's order."""
+    """The arms without a report (of `only`, run names or arm names, when given), in the sweep's order; a
+    name in `only` that is neither is refused (ValueError)."""
+    unknown = sorted(set(only or ()) - {a.name for a in sweep.arms} - {a.arm for a in sweep.arms})
+    if unknown:
+        raise ValueError(f"--only {' '.join(unknown)}: no such arm or run; the arms: {', '.join(dict.fromkeys(a.arm for a in sweep.arms))}")
     left = [a for a in sweep.arms if not (sweep.reports / f"{a.name}.json").is_file()]
     return [a for a in left if not only or a.name in only or a.arm in only]
 
@@ -127,9 +166,8 @@ def run_sweep(sweep: Sweep, arms: list[Arm], until: dt.datetime | None, run: Cal
         run(sweep.train_cmd(arm))
         run(sweep.score_cmd(arm))
         sweep.reports.mkdir(parents=True, exist_ok=True)
-        tmp = sweep.reports / f".{arm.name}.json.tmp"  # a report is whole or absent: it marks the arm done
-        shutil.copyfile(sweep.runs / f"score-{arm.name}" / "heldout.json", tmp)
-        tmp.replace(sweep.reports / f"{arm.name}.json")
+        report = (sweep.runs / f"score-{arm.name}" / "heldout.json").read_bytes()
+        write_atomic(sweep.reports / f"{arm.name}.json", lambda f: f.write(report))  # whole or absent: it marks the arm done
         run(sweep.merge_cmd())
         done.append(arm.name)
         if i > 0:  # the first arm's time holds the session's one-off work
@@ -146,14 +184,15 @@ def deadline(text: str | None, now: dt.datetime) -> dt.datetime | None:
     except ValueError:
         raise ValueError(f"--until takes a time of day as HH:MM, got {text!r}") from None
     if at <= now:
-        raise ValueError(f"--until {text} is already past (now {now:%H:%M})")
+        raise ValueError(f"--until {text} is already past (now {now:%H:%M}; the time is read as today's)")
     return at
 
 
 def _run(cmd: list[str]) -> None:
     t = time.perf_counter()
     subprocess.run(cmd, check=True)
-    print(f"sweep: {' '.join(cmd[2:4])} took {(time.perf_counter() - t) / 60:.1f} min", flush=True)
+    what = cmd[cmd.index("--out") + 1] if "--out" in cmd else cmd[2]
+    print(f"sweep: {cmd[2]} for {what} took {(time.perf_counter() - t) / 60:.1f} min", flush=True)
 
 
 def main(argv=None) -> int:
@@ -166,12 +205,15 @@ def main(argv=None) -> int:
     try:
         sweep = load_sweep(Path(args.sweep))
         until = deadline(args.until, dt.datetime.now())
+        left = todo(sweep, args.only)
     except (ValueError, FileNotFoundError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    left = todo(sweep, args.only)
-    print(f"sweep: {len(sweep.arms) - len(todo(sweep))} of {len(sweep.arms)} arms reported; {len(left)} to run",
-          flush=True)
+    reported = [a.name for a in sweep.arms if a not in todo(sweep)]
+    print(f"sweep: {len(reported)} of {len(sweep.arms)} arms reported; {len(left)} to run", flush=True)
+    skipped = [a.name for a in sweep.arms if a.name in reported and args.only and {a.name, a.arm} & set(args.only)]
+    if skipped:
+        print(f"sweep: already reported (delete a report to run its arm again): {', '.join(skipped)}", flush=True)
     if args.dry_run:
         for arm in left:
             print(json.dumps(dict(run=arm.name, train=sweep.train_cmd(arm)[1:], score=sweep.score_cmd(arm)[1:])))
