@@ -209,7 +209,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    reported = [a.name for a in sweep.arms if a not in todo(sweep)]
+    unreported = todo(sweep)
+    reported = [a.name for a in sweep.arms if a not in unreported]
     print(f"sweep: {len(reported)} of {len(sweep.arms)} arms reported; {len(left)} to run", flush=True)
     skipped = [a.name for a in sweep.arms if a.name in reported and args.only and {a.name, a.arm} & set(args.only)]
     if skipped:
