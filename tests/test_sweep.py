@@ -110,7 +110,7 @@ def test_a_bad_sweep_file_is_refused_naming_the_problem(tmp_path, over, message)
         train_sweep.load_sweep(_sweep_file(tmp_path, **over))
 
 
-def test_the_cli_lists_the_arms_left_and_refuses_a_past_deadline(tmp_path):
+def test_the_cli_lists_the_arms_left_and_refuses_a_malformed_deadline(tmp_path):
     path = _sweep_file(tmp_path)
     r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--dry-run"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
@@ -120,10 +120,16 @@ def test_the_cli_lists_the_arms_left_and_refuses_a_past_deadline(tmp_path):
     r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--only", "lr3e-5"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--only lr3e-5: no such arm or run; the arms: lr1e-3, lr3e-4" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--until", "00:00"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "train.sweep", str(path), "--until", "8pm"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "already past" in r.stderr and "read as today's" in r.stderr
-    with pytest.raises(ValueError, match="already past"):
-        train_sweep.deadline("00:00", dt.datetime(2026, 12, 7, 20, 0))
+    assert r.returncode == 2 and "--until takes a time of day as HH:MM, got '8pm'" in r.stderr
+
+
+def test_a_deadline_is_the_next_time_of_day_so_a_session_may_cross_midnight():
+    at_2300 = dt.datetime(2026, 12, 7, 23, 0)
+    assert train_sweep.deadline("23:30", at_2300) == dt.datetime(2026, 12, 7, 23, 30)
+    assert train_sweep.deadline("01:45", at_2300) == dt.datetime(2026, 12, 8, 1, 45)
+    assert train_sweep.deadline("23:00", at_2300) == dt.datetime(2026, 12, 8, 23, 0)
+    assert train_sweep.deadline(None, at_2300) is None
     with pytest.raises(ValueError, match="as HH:MM"):
         train_sweep.deadline("8pm", dt.datetime(2026, 12, 7, 20, 0))

@@ -9,8 +9,8 @@ their reports go. An arm at a seed is a run `runs/<prefix>-<arm>-s<seed>`; it is
 file's order (every arm at the first seed, then at the next). After each arm the table is rebuilt from every
 report (`train.heldout --merge`). A run directory left by an interrupted command of this session is resumed.
 
---until: the wall-clock time (today, this machine's clock) by which the sweep must have stopped: an arm starts
-only if its estimate ends before it. The estimates are the sweep file's `minutes` (required; measured on the
+--until: the wall-clock time (its next occurrence on this machine's clock, so 01:30 at 23:00 is tomorrow's) by
+which the sweep must have stopped: an arm starts only if its estimate ends before it. The estimates are the sweep file's `minutes` (required; measured on the
 machine it names): `first`, for the first arm this command runs (it fills the teacher cache and generates the held-out
 set, both lost with the machine), then `arm`, raised to the longest arm this command has run. A report is
 never written for a run that did not finish: a stopped one is not a row of the table.
@@ -176,16 +176,14 @@ def run_sweep(sweep: Sweep, arms: list[Arm], until: dt.datetime | None, run: Cal
 
 
 def deadline(text: str | None, now: dt.datetime) -> dt.datetime | None:
-    """--until HH:MM -> today's datetime at that time; one already past is refused."""
+    """--until HH:MM -> the next datetime at that time of day after `now` (a session may cross midnight)."""
     if text is None:
         return None
     try:
         at = dt.datetime.combine(now.date(), dt.time.fromisoformat(text))
     except ValueError:
         raise ValueError(f"--until takes a time of day as HH:MM, got {text!r}") from None
-    if at <= now:
-        raise ValueError(f"--until {text} is already past (now {now:%H:%M}; the time is read as today's)")
-    return at
+    return at if at > now else at + dt.timedelta(days=1)
 
 
 def _run(cmd: list[str]) -> None:
@@ -212,6 +210,8 @@ def main(argv=None) -> int:
     unreported = todo(sweep)
     reported = [a.name for a in sweep.arms if a not in unreported]
     print(f"sweep: {len(reported)} of {len(sweep.arms)} arms reported; {len(left)} to run", flush=True)
+    if until is not None:
+        print(f"sweep: stopping before {until:%Y-%m-%d %H:%M}", flush=True)
     skipped = [a.name for a in sweep.arms if a.name in reported and args.only and {a.name, a.arm} & set(args.only)]
     if skipped:
         print(f"sweep: already reported (delete a report to run its arm again): {', '.join(skipped)}", flush=True)
