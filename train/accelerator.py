@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from spd_jax.convert import defaults
-from train import replies
+from train import data, replies
 
 log = logging.getLogger("train.accelerator")
 
@@ -264,7 +264,7 @@ def unpack(returned: Path, root: Path = ROOT, corpus: Path = CORPUS) -> dict:
         staged[c] = body
     run_files = _members(sorted(returned.glob("run.tar.[0-9][0-9][0-9]")))
     for c, body in staged.items():
-        replies.write_atomic(root / corpus / f"chunk-{int(c):05d}.npz", lambda f, b=body: f.write(b))
+        data.write_atomic(root / corpus / f"chunk-{int(c):05d}.npz", lambda f, b=body: f.write(b))
         manifest["chunks"][c] = records[c]
         replies.save_manifest(root / corpus, manifest)
     dest = root / "runs" / f"accelerator-{time.strftime('%Y%m%d-%H%M%S')}"

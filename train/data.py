@@ -163,14 +163,21 @@ def hash_sequences(seqs, h=None):
     return h
 
 
+def write_atomic(path: Path, write) -> None:
+    """write(binary file) into a temporary file beside path, then moved over it: readers see whole files."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.replace(path)
+
+
 def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
     """[(ids [T], mask [T])] -> one npz, written atomically (processes of one job may write side by side)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     off = np.cumsum([0] + [len(i) for i, _ in seqs])
-    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
-             mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]), offsets=off)
-    tmp.replace(path)
+    write_atomic(path, lambda f: np.savez(f, ids=np.concatenate([i for i, _ in seqs] or [np.zeros(0, np.int32)]),
+                                          mask=np.concatenate([m for _, m in seqs] or [np.zeros(0, bool)]),
+                                          offsets=off))
 
 
 def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -173,9 +172,7 @@ def draft_vocabulary(args, run: Run, train_set: list | None) -> np.ndarray | Non
     if stored is None and args.export:  # a run from before the file: trained with this corpus's, if unchanged
         log.warning("%s not found: the draft vocabulary is recomputed from today's corpus", vocab_file)
     elif run.leader and stored is None:
-        tmp = vocab_file.with_suffix(f".{os.getpid()}.tmp.npy")  # other processes may read it on a resume
-        np.save(tmp, ids)
-        tmp.replace(vocab_file)
+        data.write_atomic(vocab_file, lambda f: np.save(f, ids))  # other processes may read it on a resume
     return ids
 
 
@@ -263,9 +260,8 @@ def _record(args, argv: list[str], run: Run, recorded: dict, identity: dict) -> 
         rec["commands"] = rec.get("commands", []) + [cmd]
         if run.warm_start:
             rec["warm_start"] = run.warm_start
-    tmp = run.out / f"run.{os.getpid()}.tmp.json"  # replaced whole: a kill mid-write leaves the old record
-    tmp.write_text(json.dumps(rec, indent=1))
-    tmp.replace(run.out / "run.json")
+    # replaced whole: a kill mid-write leaves the old record
+    data.write_atomic(run.out / "run.json", lambda f: f.write(json.dumps(rec, indent=1).encode()))
 
 
 def export_to(run: Run) -> Path:

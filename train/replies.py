@@ -38,7 +38,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -227,16 +226,8 @@ def training_corpus(model, out: Path, max_len: int, chunks: int | None = None) -
     return seqs
 
 
-def write_atomic(path: Path, write) -> None:
-    """write(binary file) into a temporary file beside path, then moved over it: readers see whole files."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    tmp.replace(path)
-
-
 def save_manifest(out: Path, manifest: dict) -> None:
-    write_atomic(out / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+    data.write_atomic(out / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
 
 
 def open_corpus(model, out: Path, s: dict) -> tuple[dict, list[str], list[np.ndarray]]:
@@ -284,7 +275,7 @@ def open_corpus(model, out: Path, s: dict) -> tuple[dict, list[str], list[np.nda
 
 
 def write_prompts(out: Path, names: list[str], prompts: list[np.ndarray]) -> None:
-    write_atomic(out / "prompts.npz", lambda f: np.savez(
+    data.write_atomic(out / "prompts.npz", lambda f: np.savez(
         f, ids=np.concatenate(prompts), offsets=np.cumsum([0] + [len(x) for x in prompts]),
         names=np.asarray(names)))
 
@@ -321,7 +312,7 @@ def run(model, out: Path, s: dict, chunks: int | None = None, show_progress: boo
             break
         cs = todo[g:g + max(1, group)]
         for c, arrays in zip(cs, generate_chunks(model, prompts, [chunk_prompts(order, s, c) for c in cs], s)):
-            write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
+            data.write_atomic(out / f"chunk-{c:05d}.npz", lambda f: np.savez_compressed(f, **compact(arrays)))
             manifest["chunks"][str(c)] = dict(chunk_record(arrays), **code, group=cs)
         save_manifest(out, manifest)
         bar.update(len(cs))

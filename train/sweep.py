@@ -32,7 +32,7 @@ from typing import Callable
 import yaml
 
 from train.config import load
-from train.replies import write_atomic
+from train.data import write_atomic
 
 KEYS = {"recipe", "mesh", "prefix", "runs", "reports", "table", "seeds", "arms", "score", "minutes"}
 REQUIRED = ("recipe", "arms", "seeds", "reports", "minutes")
