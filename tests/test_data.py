@@ -39,3 +39,16 @@ def test_the_repository_copy_is_found_first(monkeypatch):
     monkeypatch.delenv("SPD_JAX_DATA", raising=False)
     assert data_path("gsm8k/train.jsonl") == REPO_DATA / "gsm8k" / "train.jsonl"
     assert Path(REPO_DATA).parent == Path(__file__).resolve().parents[1]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    from train.data import write_atomic
+    path = tmp_path / "f.json"
+    write_atomic(path, lambda f: f.write(b"old"))
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(path, broken)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]

@@ -166,9 +166,13 @@ def hash_sequences(seqs, h=None):
 def write_atomic(path: Path, write) -> None:
     """write(binary file) into a temporary file beside path, then moved over it: readers see whole files."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        tmp.replace(path)
+    except BaseException:  # a failed write leaves neither a half file nor its temporary
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_sequences(seqs: list[tuple[np.ndarray, np.ndarray]], path: Path) -> None:
